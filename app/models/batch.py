@@ -1,0 +1,132 @@
+"""What a model forward pass reads and writes besides weights: the batch layout, attention KV, recurrent state.
+
+A forward pass takes a flat batch of N tokens from several sequences. Sequence i owns the flat tokens
+[offsets[i], offsets[i+1]) at positions cached_len[i] .. cached_len[i] + extend_len[i] - 1:
+
+    flat tokens:  | seq 0: extend 5 (prefill chunk) | seq 1: 1 (decode) | seq 2: 1 (decode) |
+    positions:      c0 .. c0+4                        c1                  c2
+
+Attention layers append their new per-token KV entries and read the whole history through `AttentionKV`
+(the engine backs it with pages). Linear-attention layers read and return per-sequence states explicitly
+(`LinearStates`): the model never keeps state between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Split of a flat token batch into sequences.
+
+    Invariant: len(extend_lens) == len(cached_lens), every extend_len >= 1, every cached_len >= 0.
+    """
+
+    extend_lens: tuple[int, ...]
+    cached_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.extend_lens) != len(self.cached_lens):
+            raise ValueError("extend_lens and cached_lens differ in length")
+        if any(n < 1 for n in self.extend_lens) or any(c < 0 for c in self.cached_lens):
+            raise ValueError(f"bad layout: extend {self.extend_lens}, cached {self.cached_lens}")
+
+    @classmethod
+    def uniform(cls, batch_size: int, seq_len: int, cached_len: int = 0) -> "BatchLayout":
+        return cls((seq_len,) * batch_size, (cached_len,) * batch_size)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out = [0]
+        for n in self.extend_lens:
+            out.append(out[-1] + n)
+        return tuple(out)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1]
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[N] int64 position of every flat token."""
+        return torch.cat([torch.arange(c, c + n) for n, c in zip(self.extend_lens, self.cached_lens)])
+
+    @cached_property
+    def last_token_index(self) -> torch.Tensor:
+        """[num_seqs] flat index of each sequence's last token (where its next-token logits come from)."""
+        return torch.tensor(self.offsets[1:]) - 1
+
+    def groups_by_extend_len(self) -> list[tuple[int, list[int]]]:
+        """Sequences with equal extend length, which recurrent layers run as one [G, T] batch."""
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(self.extend_lens):
+            groups.setdefault(n, []).append(i)
+        return sorted(groups.items())
+
+
+class AttentionKV(Protocol):
+    """Attention KV of the sequences in a batch, one entry vector per token and attention layer.
+
+    The entry width is the layer's choice (MLA: compressed latent + rope key; GQA: keys and values).
+    """
+
+    def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
+        """Store `entries` [extend_len, W] after the sequence's cached tokens; return all [cached_len + extend_len, W]."""
+        ...
+
+
+class ContiguousKV:
+    """`AttentionKV` over one growing tensor per (layer, sequence): for the CLI, tests and training probes."""
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[int, int], torch.Tensor] = {}
+
+    def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
+        old = self._store.get((layer, seq))
+        full = entries if old is None else torch.cat([old, entries], dim=0)
+        self._store[(layer, seq)] = full
+        return full
+
+    def length(self, layer: int, seq: int) -> int:
+        t = self._store.get((layer, seq))
+        return 0 if t is None else t.shape[0]
+
+
+@dataclass
+class LinearStates:
+    """Recurrent state of every linear-attention layer for the sequences of a batch (in batch order).
+
+    conv[j]: [B, C_j, W-1] the last W-1 inputs of layer j's short convolution.
+    ssm[j]:  [B, H_j, K_j, V_j] fp32 delta-rule state; row ssm[b, h, k, :] is the paper's column S[h, :, k].
+    """
+
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+
+    @property
+    def batch_size(self) -> int:
+        return self.ssm[0].shape[0] if self.ssm else 0
+
+    def select(self, index: list[int] | torch.Tensor) -> "LinearStates":
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
+
+    @staticmethod
+    def cat(parts: list["LinearStates"]) -> "LinearStates":
+        n = len(parts[0].ssm)
+        return LinearStates(
+            [torch.cat([p.conv[j] for p in parts]) for j in range(n)],
+            [torch.cat([p.ssm[j] for p in parts]) for j in range(n)],
+        )
+
+    def clone(self) -> "LinearStates":
+        return LinearStates([c.clone() for c in self.conv], [s.clone() for s in self.ssm])

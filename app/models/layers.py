@@ -1,0 +1,158 @@
+"""Building blocks shared by both families: norms, MLP, causal attention over a flat batch, rotary embedding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.batch import AttentionKV, BatchLayout
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, computed in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x); `unit_offset` gives Qwen3-Next's (1 + weight) * x / rms(x) with zero-initialised weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.unit_offset = unit_offset
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()
+        y = rms_normalize(x, self.eps) * ((1.0 + w) if self.unit_offset else w)
+        return y.to(x.dtype)
+
+
+class RMSNormGated(nn.Module):
+    """Per-head output norm of the linear-attention layers: weight * x / rms(x) * act(gate)."""
+
+    def __init__(self, dim: int, eps: float, activation: str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.act = torch.sigmoid if activation == "sigmoid" else F.silu
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = rms_normalize(x, self.eps) * self.weight.float() * self.act(gate.float())
+        return y.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3D tensors, as in transformers: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """x: [N, D]; top_idx, top_w: [N, k] -> [N, D] weighted sum of the chosen experts."""
+        out = torch.zeros_like(x)
+        for e in top_idx.unique().tolist():
+            tok, slot = torch.where(top_idx == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * top_w[tok, slot, None]
+            out = out.index_add(0, tok, y.to(out.dtype))
+        return out
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [N, rotary_dim] for the half-split (rotate_half) convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, H, D]; rotates the first cos.shape[-1] dims of every head, passes the rest through."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_len: int, scale: float) -> torch.Tensor:
+    """One sequence. q: [T, H, Dq]; k: [S, H or Hkv, Dq]; v: [S, Hkv, Dv] with S = cached_len + T -> [T, H, Dv].
+
+    Query i sits at position cached_len + i and sees keys 0 .. cached_len + i.
+    """
+    t, h = q.shape[0], q.shape[1]
+    s = k.shape[0]
+    if k.shape[1] != h:
+        k = k.repeat_interleave(h // k.shape[1], dim=1)
+        v = v.repeat_interleave(h // v.shape[1], dim=1)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if t == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+    elif cached_len == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        mask = torch.arange(s)[None, :] <= (torch.arange(t)[:, None] + cached_len)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def batched_causal_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Training path, no cache. q: [B, T, H, Dq]; k: [B, T, Hkv, Dq]; v: [B, T, Hkv, Dv] -> [B, T, H, Dv]."""
+    h = q.shape[2]
+    if k.shape[2] != h:
+        k = k.repeat_interleave(h // k.shape[2], dim=2)
+        v = v.repeat_interleave(h // v.shape[2], dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def attend(
+    layer: int,
+    q: torch.Tensor,
+    entries: torch.Tensor,
+    layout: BatchLayout,
+    kv: AttentionKV | None,
+    expand,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch through the KV interface.
+
+    q: [N, H, Dq]; entries: [N, W] this layer's per-token KV entries; expand(entries [S, W]) -> (k, v).
+    Without `kv` the layout must be uniform with nothing cached (training, whole-prompt reference runs).
+    """
+    if kv is None:
+        b, t = layout.num_seqs, layout.extend_lens[0]
+        if any(c for c in layout.cached_lens) or any(n != t for n in layout.extend_lens):
+            raise ValueError("attention without a KV store needs a uniform layout with nothing cached")
+        k, v = expand(entries)
+        out = batched_causal_attention(
+            q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]), scale
+        )
+        return out.reshape(b * t, *out.shape[2:])
+    outs = []
+    for i, (lo, hi) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:])):
+        history = kv.extend(layer, i, entries[lo:hi])
+        k, v = expand(history)
+        outs.append(causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale))
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,74 @@
+"""The part KDA and GDN layers share: short convolution and delta rule over a flat batch with carried state.
+
+Sequences of equal extend length run as one [G, T] batch: a decode step batches every decoding sequence,
+a uniform training batch runs in one call, and each prefill chunk of a mixed step runs with its peers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from app.models.batch import BatchLayout
+from app.ops import causal_conv1d, chunk_gdn, chunk_kda, naive_gdn, naive_kda
+
+# split(conv_out [G, T, C]) -> q [G, T, H, K], k [G, T, H, K], v [G, T, H, V] (q, k already l2-normalised)
+SplitQKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def recurrent_mix(
+    mixed: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    layout: BatchLayout,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    ssm_state: torch.Tensor | None,
+    split: SplitQKV,
+    per_channel_gate: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run one linear-attention layer's token mixing for a flat batch.
+
+    mixed: [N, C] pre-conv q|k|v projections; g: [N, H] (GDN) or [N, H, K] (KDA) log decay; beta: [N, H];
+    conv_weight: [C, W]; conv_state: [B, C, W-1] or None (zeros); ssm_state: [B, H, K, V] fp32 or None.
+    Returns out [N, H, V] and the new conv [B, C, W-1] and ssm [B, H, K, V] states.
+    """
+    groups = layout.groups_by_extend_len()
+    b = layout.num_seqs
+    if len(groups) == 1:
+        t = groups[0][0]
+        return _run_group(mixed.view(b, t, -1), g.view(b, t, *g.shape[1:]), beta.view(b, t, -1), conv_weight,
+                          conv_state, ssm_state, split, per_channel_gate, chunk_size)
+    out = None
+    new_conv, new_ssm = [None] * b, [None] * b
+    for t, seqs in groups:
+        tok = torch.cat([torch.arange(layout.offsets[i], layout.offsets[i] + t) for i in seqs])
+        idx = torch.tensor(seqs)
+        o, c, s = _run_group(
+            mixed[tok].view(len(seqs), t, -1), g[tok].view(len(seqs), t, *g.shape[1:]),
+            beta[tok].view(len(seqs), t, -1), conv_weight,
+            None if conv_state is None else conv_state[idx], None if ssm_state is None else ssm_state[idx],
+            split, per_channel_gate, chunk_size,
+        )
+        if out is None:
+            out = o.new_zeros(mixed.shape[0], *o.shape[1:])
+        out = out.index_copy(0, tok, o)
+        for j, i in enumerate(seqs):
+            new_conv[i], new_ssm[i] = c[j], s[j]
+    return out, torch.stack(new_conv), torch.stack(new_ssm)
+
+
+def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size):
+    """x: [G, T, C] -> out [G*T, H, V] and the group's new conv and ssm states."""
+    y, conv_new = causal_conv1d(x, conv_weight, None, conv_state, "silu")
+    q, k, v = split(y)
+    t = x.shape[1]
+    if per_channel_gate:
+        o, s = (naive_kda(q, k, v, g, beta, initial_state=ssm_state) if t == 1
+                else chunk_kda(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
+    else:
+        o, s = (naive_gdn(q, k, v, g, beta, initial_state=ssm_state) if t == 1
+                else chunk_gdn(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
+    return o.reshape(-1, *o.shape[2:]), conv_new, s
