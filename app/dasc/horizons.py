@@ -1,0 +1,26 @@
+"""Retention horizons of recurrent state units (paper section 3.3, Eq. 2-3).
+
+Static gate:   g = -exp(A_log) * softplus(a + dt_bias), with the input logit fixed at a = -0.3
+Static horizon: H_s = ln(eps) / g, eps = 1e-3: the tokens it takes the decay factor e^(g * eta) to reach eps.
+Units: GDN one head (A_log, dt_bias per value head); KDA one key channel of one head (A_log per head,
+dt_bias per (head, channel)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+STATIC_A = -0.3
+EPS = 1e-3
+
+
+def static_horizons(A_log: torch.Tensor, dt_bias: torch.Tensor, a: float = STATIC_A, eps: float = EPS) -> torch.Tensor:
+    """A_log: H values (any shape); dt_bias: H (GDN) or H * K (KDA) values -> horizons [H] or [H, K] (fp64)."""
+    A = A_log.detach().double().exp().flatten()
+    dt = dt_bias.detach().double().reshape(A.numel(), -1)
+    g = -A[:, None] * F.softplus(a + dt)
+    h = math.log(eps) / g
+    return h[:, 0] if h.shape[1] == 1 else h

@@ -1,0 +1,286 @@
+"""Byte-level BPE tokenizer: training on the stdlib corpus, and the serving-side wrapper.
+
+Files in a tokenizer directory (what `transformers.AutoTokenizer.from_pretrained` reads):
+    tokenizer.json           the `tokenizers` model: digits split one by one, then GPT-2 ByteLevel
+    tokenizer_config.json    special tokens, ChatML `chat_template`, `clean_up_tokenization_spaces: false`
+    special_tokens_map.json  bos/eos/pad and the two chat markers
+
+Special ids: 0 `<|endoftext|>` (bos, eos and pad for plain completion), 1 `<|im_start|>`, 2 `<|im_end|>`.
+No normalizer and no added bos/eos, so `decode(encode(s)) == s` for every string `s`.
+The wrapper imports `tokenizers` and `jinja2` only, never `transformers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import random
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from app.models.corpus import GENERATORS, read_source, split_files, stdlib_files
+
+EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (EOT, IM_START, IM_END)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text with a trained tokenizer directory (see module docstring)."""
+
+    def __init__(self, backend: Backend, config: Mapping[str, object], chat_template: str) -> None:
+        self._backend = backend
+        self.config = dict(config)
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template)
+        self.eos_token_id = self.token_id(str(config["eos_token"]))
+        self.bos_token_id = self.token_id(str(config["bos_token"]))
+        self.pad_token_id = self.token_id(str(config["pad_token"]))
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # Generation ends at end-of-text or at the end of a chat turn.
+        self.stop_token_ids = (self.eos_token_id, self.token_id(IM_END))
+        self._special_ids = frozenset(self.token_id(t) for t in SPECIAL_TOKENS)
+        self._bytes = _token_bytes(backend, self._special_ids)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` and `tokenizer_config.json` (a `chat_template.jinja` file wins)."""
+        path = Path(path)
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        jinja_file = path / "chat_template.jinja"
+        template = jinja_file.read_text() if jinja_file.exists() else config.get("chat_template", CHAT_TEMPLATE)
+        return cls(Backend.from_file(str(path / "tokenizer.json")), config, template)
+
+    def token_id(self, token: str) -> int:
+        """The id of one vocabulary entry; KeyError if absent."""
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise KeyError(token)
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for `text`; special-token strings in it become their ids, nothing is added."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` over many texts, in parallel threads."""
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text for `ids`; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        """The raw bytes one id stands for (a special token: its UTF-8 text, or b"" when skipped)."""
+        if skip_special_tokens and token_id in self._special_ids:
+            return b""
+        return self._bytes[token_id]
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` ({"role", "content"} dicts) exactly as transformers renders the template."""
+        specials = {k: self.config[k] for k in ("bos_token", "eos_token", "pad_token") if k in self.config}
+        return self._template.render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **specials
+        )
+
+    def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
+        """A fresh streaming decoder over this vocabulary."""
+        return IncrementalDecoder(self, skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Turns ids arriving one or a few at a time into text deltas for streaming.
+
+    Bytes of a character split across tokens are held back until the character is complete, so no
+    delta ends in half a character. Invariant: the concatenation of all deltas plus `flush()` equals
+    `tokenizer.decode(all_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        """Feed new ids; returns the text they complete (possibly "")."""
+        ids = [ids] if isinstance(ids, int) else ids
+        data = b"".join(self._tokenizer.token_bytes(i, self._skip) for i in ids)
+        return self._utf8.decode(data)
+
+    def flush(self) -> str:
+        """End of stream: an incomplete trailing character comes out as U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+def decode_stream(tokenizer: Tokenizer, ids: Iterable[int], skip_special_tokens: bool = False) -> Iterator[str]:
+    """Yield the non-empty text delta of each id in `ids` (and a final flush if any)."""
+    decoder = tokenizer.incremental_decoder(skip_special_tokens)
+    for token_id in ids:
+        if delta := decoder.push(token_id):
+            yield delta
+    if tail := decoder.flush():
+        yield tail
+
+
+# ---------------------------------------------------------------- training
+
+
+def train_tokenizer(
+    out_dir: str | Path,
+    vocab_size: int = 4096,
+    *,
+    files: Sequence[Path] | None = None,
+    n_snippets: int = 3000,
+    seed: int = 0,
+    min_frequency: int = 2,
+) -> Tokenizer:
+    """Train a byte-level BPE on `files` (default: the stdlib train split) plus `n_snippets` synthetic
+    snippets, write the tokenizer directory `out_dir` and return it loaded."""
+    files = split_files(stdlib_files())[0] if files is None else list(files)
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_training_texts(files, n_snippets, seed), trainer=trainer)
+    for i, token in enumerate(SPECIAL_TOKENS):
+        assert backend.token_to_id(token) == i, f"{token} should have id {i}"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    _write_json(out / "special_tokens_map.json", {
+        "bos_token": EOT, "eos_token": EOT, "pad_token": EOT, "additional_special_tokens": [IM_START, IM_END],
+    })
+    return Tokenizer.from_dir(out)
+
+
+def bytes_per_token(tokenizer: Tokenizer, files: Sequence[Path]) -> float:
+    """UTF-8 bytes per token over `files` (higher is better compression)."""
+    texts = [read_source(p) for p in files]
+    n_tokens = sum(len(ids) for ids in tokenizer.encode_batch(texts))
+    return sum(len(t.encode()) for t in texts) / n_tokens
+
+
+def _training_texts(files: Sequence[Path], n_snippets: int, seed: int) -> Iterator[str]:
+    for path in files:
+        yield read_source(path)
+    rng = random.Random(f"dasc-tokenizer/{seed}")
+    kinds = sorted(GENERATORS)
+    for _ in range(n_snippets):
+        yield GENERATORS[rng.choice(kinds)](rng, rng.randint(4, 64)).text
+
+
+def _tokenizer_config() -> dict[str, object]:
+    added = {
+        str(i): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
+                 "single_word": False, "special": True}
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": EOT,
+        "eos_token": EOT,
+        "pad_token": EOT,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _compile_template(template: str) -> jinja2.Template:
+    """Compile like transformers: sandboxed, trim/lstrip blocks, loop controls, raise_exception, tojson."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def _token_bytes(backend: Backend, special_ids: frozenset[int]) -> list[bytes]:
+    """Per-id raw bytes: ByteLevel tokens map each char back to one byte (GPT-2's table)."""
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    table = []
+    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(token_id)
+        special = token_id in special_ids
+        table.append(token.encode() if special else bytes(byte_of[c] for c in token))
+    return table
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by ByteLevel."""
+    byte_values = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    code_points = list(byte_values)  # printable bytes stand for themselves
+    shifted = [b for b in range(256) if b not in byte_values]  # the rest map to chr(256), chr(257), ...
+    byte_values += shifted
+    code_points += range(256, 256 + len(shifted))
+    return {b: chr(c) for b, c in zip(byte_values, code_points)}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI: train, write OUT_DIR, print training time and held-out bytes per token."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--snippets", type=int, default=3000, help="synthetic snippets added to the corpus")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    train, held_out = split_files(stdlib_files())
+    start = time.perf_counter()
+    tokenizer = train_tokenizer(args.out_dir, args.vocab_size, files=train, n_snippets=args.snippets, seed=args.seed)
+    seconds = time.perf_counter() - start
+    print(json.dumps({
+        "out_dir": str(args.out_dir),
+        "vocab_size": tokenizer.vocab_size,
+        "train_files": len(train),
+        "held_out_files": len(held_out),
+        "train_seconds": round(seconds, 1),
+        "held_out_bytes_per_token": round(bytes_per_token(tokenizer, held_out), 3),
+        "train_bytes_per_token": round(bytes_per_token(tokenizer, train), 3),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
