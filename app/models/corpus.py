@@ -118,18 +118,25 @@ def read_source(path: Path) -> str:
 
 
 def kv_lookup(
-    rng: random.Random, n_pairs: int, n_queries: int = 1, *, joint: bool = False, filler_lines: int = 0
+    rng: random.Random,
+    n_pairs: int,
+    n_queries: int = 1,
+    *,
+    joint: bool = False,
+    filler_lines: int = 0,
+    words: Sequence[str] | None = None,
 ) -> Snippet:
     """A dict literal of `n_pairs` random keys, optional filler, then `n_queries` distinct lookups.
 
     With `joint=False` every lookup but the last is printed with its answer in the text (a few-shot
     format); with `joint=True` one line prints all `n_queries` values and the answer is them joined by
-    single spaces, as `print` would. Values are 1-4 digit integers or short words.
+    single spaces, as `print` would. Values are 1-4 digit integers or short words. Keys are random
+    4-character strings, or distinct draws from `words` when given (see `single_token_words`).
     """
     if not 1 <= n_queries <= n_pairs:
         raise ValueError(f"need 1 <= n_queries <= n_pairs, got {n_queries}, {n_pairs}")
     name = rng.choice(_TABLE_NAMES)
-    keys = _unique(rng, n_pairs, _random_key)
+    keys = _draw_names(rng, n_pairs, _random_key, words)
     values = [_random_value(rng) for _ in keys]
     lines = [f"{name} = {{"] + [f'    "{k}": {_literal(v)},' for k, v in zip(keys, values)] + ["}"]
     lines += _filler(rng, filler_lines)
@@ -145,14 +152,16 @@ def kv_lookup(
     return Snippet("\n".join(lines), answer)
 
 
-def var_chain(rng: random.Random, n_vars: int, hops: int = 3, *, filler_lines: int = 0) -> Snippet:
+def var_chain(
+    rng: random.Random, n_vars: int, hops: int = 3, *, filler_lines: int = 0, words: Sequence[str] | None = None
+) -> Snippet:
     """`n_vars` assignments: a chain `a = 41; b = a; c = b` of `hops` variables interleaved with
     distractor chains (1-3 long, other literals), optional filler, then `print(<last of chain>)`.
-    The answer is the chain's root literal."""
+    The answer is the chain's root literal. Names are drawn from `words` when given."""
     if n_vars < 1:
         raise ValueError(f"need n_vars >= 1, got {n_vars}")
     hops = min(hops, n_vars)
-    names = _unique(rng, n_vars, _random_name)
+    names = _draw_names(rng, n_vars, _random_name, words)
     target = _random_value(rng)
     chains = [names[:hops]]
     rest = names[hops:]
@@ -252,6 +261,30 @@ def _literal(value: int | str) -> str:
     return f'"{value}"' if isinstance(value, str) else str(value)
 
 
+def single_token_words(tokenizer: TextEncoder, lengths: tuple[int, int] = (3, 7)) -> tuple[str, ...]:
+    """Lowercase words that are one token both quoted (`"word"`) and bare at a line start, minus Python
+    keywords and builtins: keys and names from this pool make a lookup an exact one-token match."""
+    vocab = getattr(tokenizer, "vocab", None)
+    candidates = sorted(vocab() if callable(vocab) else (vocab or ()))
+    base_q, base_b = len(tokenizer.encode('    "a": 1,')), len(tokenizer.encode("\na = 1"))
+    return tuple(
+        w for w in candidates
+        if w.isascii() and w.isalpha() and w.islower() and lengths[0] <= len(w) <= lengths[1]
+        and w not in _RESERVED and "_" not in w
+        and len(tokenizer.encode(f'    "{w}": 1,')) == base_q and len(tokenizer.encode(f"\n{w} = 1")) == base_b
+    )
+
+
+def _draw_names(
+    rng: random.Random, n: int, draw: Callable[[random.Random], str], words: Sequence[str] | None
+) -> list[str]:
+    if not words:
+        return _unique(rng, n, draw)
+    if n > len(words):
+        raise ValueError(f"asked for {n} distinct names from a pool of {len(words)}")
+    return rng.sample(list(words), n)
+
+
 def _unique(rng: random.Random, n: int, draw: Callable[[random.Random], str]) -> list[str]:
     seen: dict[str, None] = {}
     while len(seen) < n:
@@ -318,6 +351,7 @@ class TrainingStream:
         self.snippet_fraction, self.snippet_tokens = snippet_fraction, snippet_tokens
         self.kinds = dict(kinds or {"kv_lookup": 0.5, "var_chain": 0.3, "copy_list": 0.2})
         self._held_out_files = list(held_out_files)
+        self.words = single_token_words(tokenizer) if hasattr(tokenizer, "vocab") else ()
         self.code_ids = self._tokenize_files(files)
         if self.snippet_fraction < 1.0 and len(self.code_ids) < seq_len:
             raise ValueError(f"train files give {len(self.code_ids)} tokens, fewer than seq_len {seq_len}")
@@ -357,7 +391,7 @@ class TrainingStream:
             prompt_len = budget // 2 - 2 if kind == "copy_list" else budget - 16  # room for the answer
             try:
                 snip = snippet_for_context(
-                    kind, rng, self.tokenizer, prompt_len, **_training_kwargs(kind, rng, budget)
+                    kind, rng, self.tokenizer, prompt_len, **_training_kwargs(kind, rng, budget, self.words)
                 )
             except ValueError:  # the drawn extras do not fit in a small budget
                 misses += 1
@@ -382,12 +416,15 @@ class TrainingStream:
         return torch.cat([torch.zeros(0, dtype=torch.int64)] + [torch.tensor(ids + eot) for ids in encoded])
 
 
-def _training_kwargs(kind: str, rng: random.Random, budget: int) -> dict[str, object]:
-    """Per-snippet extras for training: few-shot or joint multi-key lookups, filler scaled to budget."""
-    filler = rng.randint(0, budget // 64)
+def _training_kwargs(kind: str, rng: random.Random, budget: int, words: Sequence[str]) -> dict[str, object]:
+    """Per-snippet extras for training: few-shot (up to 8 answered lookups, every one a retrieval to learn
+    from) or joint multi-key lookups, filler scaled to budget, names from the single-token pool."""
+    filler = rng.randint(0, budget // 96)
+    named = {"words": words} if words else {}
     if kind == "kv_lookup":
-        n_queries = rng.choice((1, 1, 2, 3))
-        return {"n_queries": n_queries, "joint": n_queries > 1 and rng.random() < 0.5, "filler_lines": filler}
+        n_queries = rng.choice((1, 2, 3, 4, 6, 8))
+        joint = 1 < n_queries <= 4 and rng.random() < 0.3
+        return {"n_queries": n_queries, "joint": joint, "filler_lines": filler, **named}
     if kind == "var_chain":
-        return {"hops": rng.randint(2, 4), "filler_lines": filler}
+        return {"hops": rng.randint(2, 4), "filler_lines": filler, **named}
     return {"filler_lines": filler}

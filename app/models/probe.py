@@ -4,7 +4,12 @@ Held-out seeds: example i of a probe is generated from `random.Random("dasc-prob
 <seed>/<i>")`. Training streams seed theirs with "dasc-train/<seed>" and the tokenizer corpus with
 "dasc-tokenizer/<seed>"; string seeds go through SHA-512, so probe and training snippets come from
 disjoint seed namespaces for every integer `seed`; an identical snippet could recur only by chance
-(random 4-character keys and 1-4 digit or word values make that negligible beyond tiny sizes).
+(keys drawn from the ~1,300 single-token words of the vocabulary, 1-4 digit or word values, and
+dozens of pairs per prompt make that negligible).
+
+Keys and variable names are single-token words (`single_token_words`), as in the training snippets: a
+lookup is then an exact one-token match, which the tiny models can learn in an hour; random 4-character
+keys split into several tokens and were not learned (see the training reports).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import random
 from collections.abc import Callable
 from typing import NamedTuple
 
-from app.models.corpus import Snippet, snippet_for_context
+from app.models.corpus import Snippet, single_token_words, snippet_for_context
 from app.models.tokenizer import Tokenizer
 
 Generate = Callable[[list[int], int], list[int]]
@@ -50,6 +55,7 @@ def retrieval_probe(
     """Ask `n` held-out `kind` questions (single_key, multi_key, var_chain) with prompts filling up to
     `context_len` tokens, and score the greedy continuations with `is_exact`."""
     snippet_kind, kwargs = PROBE_KINDS[kind]
+    kwargs = {**kwargs, "words": single_token_words(tokenizer)}
     examples = []
     for i in range(n):
         rng = random.Random(f"dasc-probe/{kind}/{context_len}/{seed}/{i}")

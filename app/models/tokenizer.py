@@ -70,6 +70,10 @@ class Tokenizer:
             raise KeyError(token)
         return token_id
 
+    def vocab(self) -> list[str]:
+        """Every token string of the vocabulary (byte-level forms, special tokens included)."""
+        return list(self._backend.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         """Ids for `text`; special-token strings in it become their ids, nothing is added."""
         return self._backend.encode(text, add_special_tokens=False).ids
