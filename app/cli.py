@@ -16,7 +16,11 @@ from app.models.tokenizer import Tokenizer
 
 
 def _generate(args: argparse.Namespace) -> int:
-    model_dir = resolve_model_dir(args.model)
+    try:
+        model_dir = resolve_model_dir(args.model)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model = load_model(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompt_ids = tokenizer.encode(args.prompt)

@@ -61,7 +61,8 @@ def pair(request, tmp_path_factory):
             if "norm" in name or "gate.weight" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     out = tmp_path_factory.mktemp(request.param)
-    ref.save_pretrained(out)
+    ref.save_pretrained(out, max_shard_size="100KB")  # several shards and an index: the lazy sharded path
+    assert (out / "model.safetensors.index.json").exists()
     ours = load_model(out)
     return ref, ours
 

@@ -40,17 +40,30 @@ class Phase:
     batch: int
     snippet_fraction: float
     snippet_tokens: tuple[int, int]
+    repeat_fraction: float = 0.0
 
 
 CURRICULA = {
-    "default": (
-        Phase(0.00, 256, 16, 1.0, (48, 256)),
-        Phase(0.15, 512, 8, 0.7, (64, 512)),
-        Phase(0.45, 1024, 4, 0.5, (96, 1024)),
-        Phase(0.85, 2048, 2, 0.5, (128, 2048)),
+    "default": (  # induction first (copying, short lookups), then longer mixed code + retrieval
+        Phase(0.00, 256, 8, 1.0, (48, 256), 0.5),
+        Phase(0.25, 512, 4, 0.6, (64, 512), 0.15),
+        Phase(0.50, 1024, 2, 0.5, (96, 1024), 0.1),
+        Phase(0.85, 2048, 1, 0.5, (128, 2048), 0.05),
     ),
-    "synthetic": (Phase(0.00, 256, 8, 1.0, (48, 256)),),  # for quick learnability experiments
+    "synthetic": (Phase(0.00, 256, 8, 1.0, (48, 256), 0.5),),  # for quick learnability experiments
 }
+
+
+def repeat_block(gen: torch.Generator, seq_len: int, vocab_size: int, eos: int):
+    """Segments of random tokens each followed by an exact repeat: the copy task that grows induction heads.
+    Returns (ids [seq_len], mask [seq_len] True on the repeats)."""
+    ids, mask = [], []
+    while len(ids) < seq_len:
+        n = int(torch.randint(8, 65, (1,), generator=gen))
+        seg = torch.randint(3, vocab_size, (n,), generator=gen).tolist()
+        ids += seg + seg + [eos]
+        mask += [False] * n + [True] * n + [False]
+    return torch.tensor(ids[:seq_len]), torch.tensor(mask[:seq_len])
 
 
 def phase_at(fraction: float, curriculum: str = "default") -> Phase:
@@ -105,6 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
     p.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR)
     p.add_argument("--curriculum", choices=sorted(CURRICULA), default="default")
+    p.add_argument("--layers", default=None, help="override layer pattern, e.g. aallllll (a: attention)")
     return p.parse_args(argv)
 
 
@@ -115,6 +129,8 @@ def main(argv=None) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_dir(args.tokenizer)
     config = PRESETS[args.preset]()
+    if args.layers:
+        config["layer_types"] = ["full_attention" if c == "a" else "linear_attention" for c in args.layers]
     model = build_model(config)
     init_weights(model, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -125,6 +141,9 @@ def main(argv=None) -> Path:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         clock = saved["clock"]
+        if log_path.exists():  # drop steps logged after the state was saved (a crash between saves)
+            kept = [x for x in log_path.read_text().splitlines() if json.loads(x)["step"] <= clock["step"]]
+            log_path.write_text("".join(x + "\n" for x in kept))
     elif log_path.exists():
         log_path.unlink()
     if clock["step"] == 0:
@@ -132,6 +151,7 @@ def main(argv=None) -> Path:
         torch.save(model.state_dict(), args.out / "init_model.pt")
 
     budget = args.minutes * 60
+    gen = torch.Generator().manual_seed(args.seed * 7919 + clock["step"])
     held_out = None
     phase, stream = None, None
     last_save = last_eval = clock["elapsed"]
@@ -146,9 +166,11 @@ def main(argv=None) -> Path:
             if held_out is None:
                 held_out = TrainingStream(tokenizer, 512, seed=0, snippet_fraction=0.0).held_out_blocks(16, 512)
         t0 = time.perf_counter()
-        blocks = [next(stream) for _ in range(phase.batch)]
-        ids = torch.stack([b.ids for b in blocks])
-        answer = torch.stack([b.answer_mask for b in blocks])
+        blocks = [repeat_block(gen, phase.seq_len, tokenizer.vocab_size, tokenizer.eos_token_id)
+                  if torch.rand((), generator=gen) < phase.repeat_fraction else next(stream)
+                  for _ in range(phase.batch)]
+        ids = torch.stack([b[0] for b in blocks])
+        answer = torch.stack([b[1] for b in blocks])
         lr = lr_at(frac, args.lr)
         for group in opt.param_groups:
             group["lr"] = lr
