@@ -178,6 +178,8 @@ class KimiMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, cfg.hidden_size, bias=False)
         self.scale = qk ** -0.5
+        self.kv_entry_width = self.rank + self.rope
+        self.score_dim = self.heads * (qk + self.v_dim)  # multiply-adds per (query, key) pair: QK^T and PV
 
     def _expand(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """entries [S, rank + rope] -> k [S, H, nope + rope], v [S, H, v_dim]."""

@@ -147,6 +147,8 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, unit_offset=True)
         self.rotary_dim = int(self.d * cfg.partial_rotary_factor)
         self.theta = cfg.rope_theta
+        self.kv_entry_width = 2 * self.kv_heads * self.d
+        self.score_dim = 2 * self.heads * self.d  # multiply-adds per (query, key) pair: QK^T and PV
 
     def _expand(self, entries: torch.Tensor):
         k, v = entries.split(self.kv_heads * self.d, dim=-1)

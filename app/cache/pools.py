@@ -1,0 +1,108 @@
+"""Fixed-size pools: attention KV slots (one token per slot) and active recurrent-state slots.
+
+KV uses one slot per token (a page size of one, as SGLang's radix cache does), so prefix sharing never
+splits a page. Slot ids are handed out lowest first, which keeps tests deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from app.models.batch import LinearStates
+
+
+class SlotAllocator:
+    """Integer ids in [first, first + n); alloc takes the lowest free ids."""
+
+    def __init__(self, n: int, first: int = 0) -> None:
+        self._free = list(range(first, first + n))
+        heapq.heapify(self._free)
+        self.capacity = n
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def free(self, ids) -> None:
+        for i in ids:
+            heapq.heappush(self._free, int(i))
+
+
+class KVPool:
+    """Per attention layer a tensor [num_slots, W_layer] of per-token KV entries."""
+
+    def __init__(self, widths: dict[int, int], num_slots: int, dtype: torch.dtype) -> None:
+        self.storage = {layer: torch.zeros(num_slots, w, dtype=dtype) for layer, w in widths.items()}
+        self.allocator = SlotAllocator(num_slots)
+        self.bytes_per_token = sum(w for w in widths.values()) * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        ids = self.allocator.alloc(n)
+        return None if ids is None else torch.tensor(ids, dtype=torch.long)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots.tolist())
+
+
+class PagedKV:
+    """`AttentionKV` for one step: batch sequence i reads slots `history[i]` and writes `new[i]`."""
+
+    def __init__(self, pool: KVPool, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+        self.pool, self.history, self.new = pool, history, new
+
+    def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
+        store = self.pool.storage[layer]
+        store[self.new[seq]] = entries.to(store.dtype)
+        return store[torch.cat([self.history[seq], self.new[seq]])]
+
+
+class StatePool:
+    """Recurrent state of running sequences: per linear layer conv [S, C, W-1] and ssm [S, H, K, V] fp32."""
+
+    def __init__(self, template: LinearStates, num_slots: int) -> None:
+        self.conv = [torch.zeros(num_slots, *c.shape[1:], dtype=c.dtype) for c in template.conv]
+        self.ssm = [torch.zeros(num_slots, *s.shape[1:], dtype=s.dtype) for s in template.ssm]
+        self.allocator = SlotAllocator(num_slots)
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def alloc(self) -> int | None:
+        ids = self.allocator.alloc(1)
+        return None if ids is None else ids[0]
+
+    def free(self, slot: int) -> None:
+        self.allocator.free([slot])
+
+    def gather(self, slots: list[int]) -> LinearStates:
+        idx = torch.tensor(slots, dtype=torch.long)
+        return LinearStates([c[idx] for c in self.conv], [s[idx] for s in self.ssm])
+
+    def scatter(self, slots: list[int], states: LinearStates) -> None:
+        idx = torch.tensor(slots, dtype=torch.long)
+        for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
+            dst[idx] = src.to(dst.dtype)
+
+    def write(self, slot: int, state: LinearStates) -> None:
+        """Copy a single-sequence state (batch 1) into `slot`: loading a checkpoint or forking."""
+        self.scatter([slot], state)
+
+    def zero(self, slot: int) -> None:
+        for t in self.conv + self.ssm:
+            t[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        for t in self.conv + self.ssm:
+            t[dst] = t[src]

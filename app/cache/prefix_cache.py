@@ -1,0 +1,124 @@
+"""The hybrid prefix cache: radix tree + KV slot pool + checkpoint pool + admission and eviction.
+
+The engine talks to this class only, through a few verbs: `match`, `insert`, `lock`/`unlock`,
+`alloc_kv`/`free_kv`, `store_checkpoint`/`load_checkpoint`, `check_integrity`. KV slots are owned either
+by the tree or by one running request (its private, not yet inserted tokens); `check_integrity(private)`
+verifies that every slot is owned exactly once or free. A full KV pool evicts unlocked tree leaves; a full
+checkpoint pool evicts a checkpoint by policy; when nothing is evictable the caller waits or preempts,
+and a checkpoint that cannot be stored is skipped: no request ever fails because the cache is full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from app.cache.checkpoint import CheckpointPool
+from app.cache.policy import SecondHitFilter, lru_select
+from app.cache.pools import KVPool
+from app.cache.radix import InsertResult, MatchResult, Node, RadixTree
+from app.models.batch import LinearStates
+
+
+@dataclass
+class CacheCounters:
+    stores: int = 0
+    loads: int = 0
+    checkpoint_evictions: int = 0
+    kv_evicted_tokens: int = 0
+    skipped_stores: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+
+class PrefixCache:
+    def __init__(self, kv: KVPool, checkpoints: CheckpointPool, admission: str = "always", select=lru_select):
+        self.tree = RadixTree()
+        self.kv = kv
+        self.checkpoints = checkpoints
+        self.admission = admission
+        self.select = select
+        self.second_hit = SecondHitFilter()
+        self.counters = CacheCounters()
+
+    # ------------------------------------------------------------------ lookup and sharing
+    def match(self, tokens: list[int], limit: int | None = None) -> MatchResult:
+        return self.tree.match(tokens, limit)
+
+    def lock(self, node: Node) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: Node) -> None:
+        self.tree.unlock(node)
+
+    def insert(self, tokens: list[int], slots: torch.Tensor) -> InsertResult:
+        """Hand a request's KV for `tokens` to the tree; slots the tree already had are freed here."""
+        res = self.tree.insert(tokens, slots)
+        dup = res.duplicates[res.duplicates != res.slots[: len(res.duplicates)]]
+        if len(dup):
+            self.kv.free(dup)
+        return res
+
+    def admit_prompt_end(self, tokens: list[int]) -> bool:
+        """Whether a prompt-end checkpoint for this prefix should be stored (admission policy)."""
+        seen = self.second_hit.seen_before(tokens)
+        return self.admission == "always" or seen
+
+    # ------------------------------------------------------------------ KV slots
+    def alloc_kv(self, n: int) -> torch.Tensor | None:
+        """n free KV slots, evicting unlocked tree leaves (LRU) if needed; None if even that is not enough."""
+        if n > self.kv.num_free:
+            freed, ckpts = self.tree.evict_kv(n - self.kv.num_free)
+            self.kv.free(freed)
+            self.counters.kv_evicted_tokens += len(freed)
+            for slot in ckpts:
+                self.checkpoints.free(slot)
+                self.counters.checkpoint_evictions += 1
+        return self.kv.alloc(n)
+
+    def free_kv(self, slots: torch.Tensor) -> None:
+        self.kv.free(slots)
+
+    # ------------------------------------------------------------------ checkpoints
+    def store_checkpoint(self, node: Node, state: LinearStates, kind: str) -> bool:
+        """Store `state` (batch 1) as the checkpoint at `node`'s end. Evicts by policy when the pool is
+        full; returns False (and stores nothing) when no slot can be freed."""
+        if node.checkpoint is not None:
+            self.tree.set_checkpoint(node, node.checkpoint)  # already there: refresh it
+            return True
+        slot = self.checkpoints.alloc()
+        if slot is None:
+            was_locked = node.lock
+            node.lock += 1  # never evict the node we are storing at
+            freed = self.tree.evict_checkpoint(self.select)
+            node.lock = was_locked
+            if freed is None:
+                self.counters.skipped_stores += 1
+                return False
+            self.counters.checkpoint_evictions += 1
+            slot = freed
+        self.checkpoints.codec.store(slot, state)
+        self.tree.set_checkpoint(node, slot)
+        self.counters.stores += 1
+        self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
+        return True
+
+    def load_checkpoint(self, node: Node) -> LinearStates:
+        """A fresh copy of the checkpoint at `node` (copy-on-write: the stored one never changes)."""
+        self.counters.loads += 1
+        return self.checkpoints.codec.load(node.checkpoint)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self, private: list[torch.Tensor] = ()) -> None:
+        """Tree invariants, plus: every KV slot is in the tree, private to one request, or free, exactly
+        once; tree checkpoints and used checkpoint slots agree and fit the pool."""
+        self.tree.check_integrity()
+        owned = [n.kv for n in self.tree.nodes()] + list(private)
+        ids = torch.cat(owned).tolist() if owned else []
+        free = list(self.kv.allocator._free)
+        assert len(ids) == len(set(ids)), "KV slot owned twice"
+        assert not set(ids) & set(free), "KV slot both owned and free"
+        assert len(ids) + len(free) == self.kv.allocator.capacity, "KV slot leaked"
+        ckpts = [n.checkpoint for n in self.tree.nodes() if n.checkpoint is not None]
+        assert len(ckpts) == self.checkpoints.num_used <= self.checkpoints.num_slots, "checkpoint slots leaked"
+        assert not set(ckpts) & set(self.checkpoints.allocator._free), "checkpoint slot both used and free"

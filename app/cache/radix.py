@@ -1,0 +1,227 @@
+"""Radix tree over token ids: attention KV slots on every edge, at most one state checkpoint per node end.
+
+    root ──[5 9 2]── A ──[7 7]── B (ckpt 3)        node A holds KV slots of tokens 5 9 2,
+                      └──[4 1 8 6]── C (ckpt 1)    B those of 7 7 and a checkpoint of the state after
+                                                   the 5 tokens 5 9 2 7 7, C the state after 7 tokens.
+Invariants (checked by `check_integrity`):
+- every non-root node has a non-empty edge with one KV slot per token; children are keyed by the first
+  token of their edge, and no two children share it;
+- a KV slot belongs to at most one node;
+- a checkpoint sits only at a node's end, and only where the node's whole prefix has KV (always: a
+  checkpoint is dropped with its node's KV);
+- lock counts never go negative and a node's lock is at least the sum of its children's (locking a node
+  locks its whole path); locked nodes are never evicted, neither their KV nor their checkpoint.
+A lookup's usable hit is the deepest checkpoint at or below the KV match (`MatchResult`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: list[int]
+    kv: torch.Tensor  # [len(tokens)] int64 KV slot ids
+    parent: "Node | None"
+    depth: int  # tokens from the root to this node's end
+    id: int
+    children: dict[int, "Node"] = field(default_factory=dict)
+    checkpoint: int | None = None  # checkpoint pool slot of the state after `depth` tokens
+    lock: int = 0
+    kv_access: int = 0  # refreshed along the path on every match and insert
+    ckpt_access: int = 0  # refreshed only when this node's checkpoint is stored or used
+
+
+class MatchResult(NamedTuple):
+    """kv_len: prompt tokens whose KV the tree holds; kv_node: node where that match ends (the match may end
+    inside its edge); checkpoint_node/checkpoint_len: deepest checkpoint at or below kv_len and at most
+    `limit` (None, 0 when there is none); kv_slots: [checkpoint_len] slots the request can share."""
+
+    kv_len: int
+    kv_node: Node
+    checkpoint_node: Node | None
+    checkpoint_len: int
+    kv_slots: torch.Tensor
+
+
+class InsertResult(NamedTuple):
+    """node: the node ending exactly at the inserted length; slots: the tree's KV slots for the whole
+    sequence (the caller adopts them); duplicates: caller slots the tree already had tokens for (free them)."""
+
+    node: Node
+    slots: torch.Tensor
+    duplicates: torch.Tensor
+
+
+class RadixTree:
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self.root = Node([], torch.zeros(0, dtype=torch.long), None, 0, next(self._ids))
+        self.root.lock = 1  # the root is never evicted
+
+    # ------------------------------------------------------------------ lookups
+    def match(self, tokens: list[int], limit: int | None = None, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of `tokens`; the checkpoint used must sit at depth <= limit."""
+        limit = len(tokens) if limit is None else limit
+        node, pos = self.root, 0
+        best, best_len = None, 0
+        path_slots: list[torch.Tensor] = []
+        best_slots = 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common(child.tokens, tokens, pos)
+            path_slots.append(child.kv[:n])
+            if n < len(child.tokens):
+                node, pos = child, pos + n
+                break
+            node, pos = child, pos + n
+            if node.checkpoint is not None and node.depth <= limit:
+                best, best_len, best_slots = node, node.depth, len(path_slots)
+        if touch:
+            now = next(self._clock)
+            walk = node
+            while walk is not None:
+                walk.kv_access = now
+                walk = walk.parent
+            if best is not None:
+                best.ckpt_access = now
+        slots = torch.cat(path_slots[:best_slots]) if best_slots else torch.zeros(0, dtype=torch.long)
+        return MatchResult(pos, node, best, best_len, slots)
+
+    # ------------------------------------------------------------------ updates
+    def insert(self, tokens: list[int], slots: torch.Tensor) -> InsertResult:
+        """Add `tokens` with their KV `slots` [len(tokens)], splitting edges as needed."""
+        assert len(tokens) == len(slots) and len(tokens) > 0
+        node, pos = self.root, 0
+        tree_slots, dup = [], []
+        now = next(self._clock)
+        while pos < len(tokens):
+            node.kv_access = now
+            child = node.children.get(tokens[pos])
+            if child is None:
+                new = Node(list(tokens[pos:]), slots[pos:].clone(), node, len(tokens), next(self._ids), kv_access=now)
+                node.children[tokens[pos]] = new
+                tree_slots.append(new.kv)
+                node, pos = new, len(tokens)
+                break
+            n = _common(child.tokens, tokens, pos)
+            if n < len(child.tokens):
+                child = self._split(child, n)
+            tree_slots.append(child.kv)
+            dup.append(slots[pos : pos + n])
+            node, pos = child, pos + n
+        node.kv_access = now
+        dup_slots = torch.cat(dup) if dup else torch.zeros(0, dtype=torch.long)
+        return InsertResult(node, torch.cat(tree_slots), dup_slots)
+
+    def split_at(self, tokens: list[int], length: int) -> Node:
+        """The node ending exactly at `length` tokens of `tokens` (which the tree must hold), splitting an edge."""
+        node, pos = self.root, 0
+        while pos < length:
+            child = node.children[tokens[pos]]
+            if pos + len(child.tokens) > length:
+                return self._split(child, length - pos)
+            node, pos = child, pos + len(child.tokens)
+        return node
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Cut `child`'s edge after n tokens; returns the new upper node (which keeps no checkpoint)."""
+        parent = child.parent
+        upper = Node(child.tokens[:n], child.kv[:n].clone(), parent, child.depth - len(child.tokens) + n,
+                     next(self._ids), lock=child.lock, kv_access=child.kv_access)
+        parent.children[child.tokens[0]] = upper
+        child.tokens, child.kv, child.parent = child.tokens[n:], child.kv[n:].clone(), upper
+        upper.children[child.tokens[0]] = child
+        return upper
+
+    def set_checkpoint(self, node: Node, slot: int) -> int | None:
+        """Attach checkpoint `slot` at `node`'s end; returns the slot it replaces (to free), if any."""
+        old, node.checkpoint = node.checkpoint, slot
+        node.ckpt_access = next(self._clock)
+        return old
+
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            node.lock += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            node.lock -= 1
+            assert node.lock >= 0, "unlock without lock"
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+    def evict_kv(self, num_slots: int) -> tuple[torch.Tensor, list[int]]:
+        """Remove least-recently-used unlocked leaves until `num_slots` KV slots are freed (or none is left).
+        Returns (freed KV slots, freed checkpoint slots of the removed nodes)."""
+        freed, ckpts = [], []
+        count = 0
+        while count < num_slots:
+            leaves = [n for n in self.nodes() if not n.children and n.lock == 0 and n is not self.root]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: (n.kv_access, n.id))
+            del victim.parent.children[victim.tokens[0]]
+            freed.append(victim.kv)
+            count += len(victim.kv)
+            if victim.checkpoint is not None:
+                ckpts.append(victim.checkpoint)
+        return (torch.cat(freed) if freed else torch.zeros(0, dtype=torch.long)), ckpts
+
+    def evict_checkpoint(self, select: Callable[[list[Node]], Node]) -> int | None:
+        """Drop the checkpoint of the unlocked node `select` picks among all unlocked checkpointed nodes (in
+        node-id order); the node keeps its KV. Returns the freed slot, or None if none is evictable."""
+        candidates = sorted((n for n in self.nodes() if n.checkpoint is not None and n.lock == 0), key=lambda n: n.id)
+        if not candidates:
+            return None
+        victim = select(candidates)
+        slot, victim.checkpoint = victim.checkpoint, None
+        return slot
+
+    # ------------------------------------------------------------------ inspection
+    def nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def num_checkpoints(self) -> int:
+        return sum(n.checkpoint is not None for n in self.nodes())
+
+    def num_kv_slots(self) -> int:
+        return sum(len(n.kv) for n in self.nodes())
+
+    def check_integrity(self) -> None:
+        seen: set[int] = set()
+        for node in self.nodes():
+            if node is not self.root:
+                assert node.tokens and len(node.tokens) == len(node.kv), f"node {node.id}: edge/kv length"
+                assert node.parent.children.get(node.tokens[0]) is node, f"node {node.id}: child key"
+                assert node.depth == node.parent.depth + len(node.tokens), f"node {node.id}: depth"
+                assert node.lock >= 0, f"node {node.id}: negative lock"
+            assert node.lock >= sum(c.lock for c in node.children.values()), f"node {node.id}: lock below children"
+            slots = node.kv.tolist()
+            assert not seen.intersection(slots), f"node {node.id}: KV slot owned twice"
+            assert len(set(slots)) == len(slots), f"node {node.id}: KV slot repeated"
+            seen.update(slots)
+        ckpts = [n.checkpoint for n in self.nodes() if n.checkpoint is not None]
+        assert len(ckpts) == len(set(ckpts)), "checkpoint slot shared by two nodes"
+        assert self.root.checkpoint is None, "checkpoint at the root"
+
+
+def _common(edge: list[int], tokens: list[int], pos: int) -> int:
+    n = 0
+    limit = min(len(edge), len(tokens) - pos)
+    while n < limit and edge[n] == tokens[pos + n]:
+        n += 1
+    return n

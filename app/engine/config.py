@@ -1,0 +1,52 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.cache.policy import ADMISSIONS, EVICTIONS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine (see DESIGN.md, Knobs).
+
+    max_running: sequences decoding or prefilling at once (active state slots).
+    chunk_size: most prompt tokens one sequence feeds in one step (chunked prefill).
+    max_tokens_per_step: token budget of a step, decode tokens and prefill pieces together.
+    kv_slots: attention KV capacity in tokens (one slot per token).
+    checkpoint_budget_mb: the checkpoint pool's byte budget (slots by Eq. 8); checkpoint_slots, when set,
+        sizes it by a usable slot count instead.
+    interval: checkpoint every `interval` tokens (aligned positions) in prefill and decode; 0 = only
+        prompt ends, branch points and generation ends.
+    admission: `always` or `second_hit` (prompt-end checkpoints only for prefixes seen before).
+    eviction: `lru` or `flop_aware` (Marconi) for checkpoints.
+    enable_cache: False gives cold runs: no lookups and no checkpoints.
+    """
+
+    max_running: int = 64
+    chunk_size: int = 512
+    max_tokens_per_step: int = 2048
+    kv_slots: int = 131072
+    checkpoint_budget_mb: float | None = 64.0
+    checkpoint_slots: int | None = None
+    interval: int = 0
+    admission: str = "always"
+    eviction: str = "lru"
+    enable_cache: bool = True
+    flop_alpha: float = 0.5
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if min(self.max_running, self.chunk_size, self.max_tokens_per_step, self.kv_slots) < 1:
+            raise ValueError("max_running, chunk_size, max_tokens_per_step and kv_slots must be positive")
+        if self.interval < 0:
+            raise ValueError(f"interval must be >= 0, got {self.interval}")
+        if self.checkpoint_slots is None and (self.checkpoint_budget_mb is None or self.checkpoint_budget_mb < 0):
+            raise ValueError("checkpoint_budget_mb must be >= 0 unless checkpoint_slots is set")
+        if self.checkpoint_slots is not None and self.checkpoint_slots < 0:
+            raise ValueError(f"checkpoint_slots must be >= 0, got {self.checkpoint_slots}")

@@ -1,0 +1,193 @@
+"""The Engine facade: add requests, step, generate; it runs without Ray.
+
+One step = schedule -> run the model on every piece -> store checkpoints at cuts -> sample -> finish.
+Checkpoints are stored at prefill cuts (interval, branch, prompt end, fork), at aligned intervals during
+decode, and at the end of generation (so the next conversation turn hits). Storing one inserts the
+sequence's KV up to that position into the radix tree, so the checkpoint always has its KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from app.cache.checkpoint import CheckpointCodec, CheckpointPool, DenseCodec
+from app.cache.policy import FlopAwareSelect, lru_select
+from app.cache.pools import KVPool, StatePool
+from app.cache.prefix_cache import PrefixCache
+from app.engine.config import EngineConfig
+from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
+from app.engine.runner import ModelRunner, sample
+from app.engine.scheduler import Scheduler
+from app.engine.telemetry import Telemetry
+from app.models.hybrid import HybridForCausalLM
+from app.models.tokenizer import Tokenizer
+
+
+class Engine:
+    def __init__(self, model: HybridForCausalLM, tokenizer: Tokenizer, cfg: EngineConfig = EngineConfig(),
+                 codec: CheckpointCodec | None = None) -> None:
+        self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
+        template = model.empty_states(1)
+        self.codec = codec or DenseCodec(template)
+        budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
+        pool = CheckpointPool(self.codec, budget_bytes=budget, num_slots=cfg.checkpoint_slots)
+        kv = KVPool(_kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
+        select = lru_select if cfg.eviction == "lru" else FlopAwareSelect(
+            *_flops_per_token(model), self.codec.bytes_per_slot, cfg.flop_alpha)
+        self.cache = PrefixCache(kv, pool, cfg.admission, select)
+        self.states = StatePool(template, cfg.max_running)
+        self.scheduler = Scheduler(cfg, self.cache, self.states)
+        self.runner = ModelRunner(model, kv, self.states)
+        self.telemetry = Telemetry()
+        self.max_model_len = cfg.max_model_len or _model_len(model)
+        self._ids = itertools.count()
+        self._seqs: dict[str, list[Sequence]] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError for inputs the engine cannot serve."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.model.config.vocab_size for t in prompt_ids):
+            raise ValueError("prompt token ids must be in [0, vocab_size)")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length {self.max_model_len}")
+        if len(prompt_ids) + params.max_tokens > self.cfg.kv_slots:
+            raise ValueError(f"request needs more KV than the engine holds ({self.cfg.kv_slots} tokens)")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise ValueError(f"duplicate request id {request_id}")
+        seqs = [Sequence(request_id, i, list(prompt_ids), params) for i in range(params.n)]
+        for seq in seqs:
+            seq.generator = torch.Generator().manual_seed(params.seed + seq.index) if params.seed is not None else None
+            seq.fork_of = seqs[0] if seq.index > 0 else None
+            self.scheduler.add(seq)
+        self._seqs[request_id] = seqs
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for seq in self._seqs.get(request_id, []):
+            if not seq.is_finished:
+                if seq in self.scheduler.waiting:
+                    self.scheduler.waiting.remove(seq)
+                self._finish(seq, "abort", store=False)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        works = self.scheduler.schedule()
+        if not works:
+            return []
+        for w in works:
+            if not w.seq.counted:
+                self.telemetry.on_admit(w.seq)
+                w.seq.counted = True
+        logits = self.runner.run(works)
+        self.telemetry.steps += 1
+        outputs = []
+        for w in works:
+            seq = w.seq
+            seq.num_computed = w.end
+            seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
+            self._checkpoint_after(seq)
+            if id(seq) in logits:
+                outputs.append(self._append_token(seq, sample(seq, logits[id(seq)])))
+        return outputs
+
+    def _checkpoint_after(self, seq: Sequence) -> None:
+        pos = seq.num_computed
+        kind = seq.cuts.pop(pos, None)
+        decode_interval = (self.cfg.enable_cache and self.cfg.interval and pos % self.cfg.interval == 0
+                           and pos >= seq.prompt_len)
+        if kind is not None or decode_interval:
+            self._store(seq, kind or "interval")
+
+    def _store(self, seq: Sequence, kind: str) -> None:
+        """Insert the sequence's KV up to num_computed into the tree and store its state there."""
+        pos = seq.num_computed
+        res = self.cache.insert(seq.tokens[:pos], seq.kv_slots[:pos])
+        self.cache.lock(res.node)
+        self.cache.unlock(seq.node)
+        seq.node, seq.num_shared = res.node, pos
+        seq.kv_slots = torch.cat([res.slots, seq.kv_slots[pos:]])
+        self.cache.store_checkpoint(res.node, self.states.gather([seq.state_slot]), kind)
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_ids.append(token)
+        p = seq.params
+        reason = None
+        stops = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.stop_token_ids)
+        text = self.tokenizer.decode(seq.output_ids[:-1] if token in stops else seq.output_ids)
+        hits = [text.find(s) for s in p.stop if s in text]
+        if token in stops:
+            reason = "stop"
+        if hits:
+            text, reason = text[: min(hits)], "stop"
+        if reason is None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None:  # hold back what may still become a stop string or a multi-byte character
+            hold = max((len(s) - 1 for s in p.stop), default=0)
+            text = text[: len(text) - hold] if hold else text
+            text = text.rstrip("\ufffd")
+        delta = text[len(seq.text):] if len(text) > len(seq.text) else ""
+        seq.text += delta
+        if reason is not None:
+            self._finish(seq, reason, store=True)
+        return RequestOutput(seq.request_id, seq.index, [token], delta, reason is not None, reason,
+                             seq.prompt_len, seq.cached_len, list(seq.output_ids),
+                             seq.first_token_time - seq.arrival)
+
+    def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
+        seq.finish_reason, seq.finish_time = reason, time.perf_counter()
+        if store and self.cfg.enable_cache and seq.status is Status.RUNNING and seq.num_computed > seq.num_shared:
+            self._store(seq, "generation_end")
+        self.scheduler.release(seq)
+        seq.status = Status.FINISHED
+        if seq.admitted_once:
+            self.telemetry.on_finish(seq)
+        if all(s.is_finished for s in self._seqs.get(seq.request_id, [])):
+            self._seqs.pop(seq.request_id, None)
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[RequestOutput]]:
+        """Run prompts to completion (batched); per request the final output of each of its n sequences."""
+        ids = [self.add_request(p, params) for p in prompts]
+        final: dict[tuple[str, int], RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[(out.request_id, out.index)] = out
+        return [[final[(r, i)] for i in range(params.n)] for r in ids]
+
+    def snapshot(self) -> dict:
+        snap = self.telemetry.snapshot(self.cache, self.states, len(self.scheduler.running), len(self.scheduler.waiting))
+        snap["preemptions"] = self.scheduler.num_preemptions
+        return snap
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.scheduler.private_slots())
+
+
+def _kv_widths(model: HybridForCausalLM) -> dict[int, int]:
+    return {i: model.model.layers[i].mixer.kv_entry_width for i in model.attention_layers}
+
+
+def _model_len(model: HybridForCausalLM) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 4096))
+
+
+def _flops_per_token(model: HybridForCausalLM) -> tuple[float, float]:
+    """(FLOPs per token of everything but attention scores, FLOPs per (query, key) pair over all attention
+    layers): the cost model of flop-aware eviction."""
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    pair = sum(4 * getattr(model.model.layers[i].mixer, "score_dim", 0) for i in model.attention_layers)
+    return 2.0 * params, float(pair)

@@ -1,0 +1,116 @@
+"""Requests and their sequences: sampling parameters, progress through the token stream, timing.
+
+A sequence's token stream is prompt + output. `num_computed` tokens of it have been fed to the model: their
+KV sits in `kv_slots` and their effect in the active state. The next step feeds
+tokens[num_computed : end]; when end reaches the stream's length the step yields logits and a new token.
+In decode, num_computed == len(tokens) - 1 (the last sampled token is not fed yet).
+
+    tokens:      p0 p1 ... p(P-1) | o0 o1 ... o(k-1)
+    kv_slots:    [ shared (tree, locked through `node`) | private (this sequence) ]   length num_computed
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from app.cache.radix import Node
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 is off; `stop` strings end generation and are not returned."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 1 <= self.n <= 16:
+            raise ValueError(f"n must be in [1, 16], got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    cached_len: int = 0  # prompt tokens served by the cache at (first) admission
+    replayed: int = 0  # tokens recomputed although their KV was cached (replay from an earlier checkpoint)
+    state_slot: int | None = None
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    num_shared: int = 0
+    node: Node | None = None
+    cuts: dict[int, str] = field(default_factory=dict)  # checkpoint position -> kind, still ahead
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    text: str = ""  # decoded output so far (for stop strings)
+    admitted_once: bool = False
+    counted: bool = False  # prompt and hit counted in telemetry
+    fork_of: "Sequence | None" = None  # n > 1: waits for this leader to reach the fork point
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def next_end(self, budget: int) -> int:
+        """Where this step's piece ends: the next checkpoint cut, the budget, or the stream's end."""
+        end = min(len(self.tokens), self.num_computed + budget)
+        ahead = [c for c in self.cuts if c > self.num_computed]
+        return min([end] + ahead)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What the engine reports for a sequence after a step: the new tokens and text, and at the end why."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_ids: list[int]
+    ttft_s: float | None

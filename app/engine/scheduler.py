@@ -1,0 +1,166 @@
+"""Continuous batching: which sequences feed which tokens this step, admission and preemption.
+
+Each step: running sequences in decode feed one token each; running sequences in prefill get pieces
+(chunked prefill) that end at the next checkpoint cut, the per-sequence chunk size or the step's remaining
+token budget; then waiting sequences are admitted while state slots and budget remain. Every piece gets
+fresh KV slots; when the pool is short the cache evicts unlocked tree leaves, then the scheduler preempts
+the most recently admitted other sequence (its work is recomputed later). Nothing fails for lack of room.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from app.cache.pools import StatePool
+from app.cache.prefix_cache import PrefixCache
+from app.engine.config import EngineConfig
+from app.engine.request import Sequence, Status
+
+
+class Work(NamedTuple):
+    """seq feeds tokens[start:end] this step into `new_slots` [end - start]."""
+
+    seq: Sequence
+    start: int
+    end: int
+    new_slots: torch.Tensor
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, cache: PrefixCache, states: StatePool) -> None:
+        self.cfg, self.cache, self.states = cfg, cache, states
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> list[Work]:
+        budget = self.cfg.max_tokens_per_step
+        works: list[Work] = []
+        decoding = [s for s in self.running if s.num_computed >= len(s.tokens) - 1]
+        prefilling = [s for s in self.running if s.num_computed < len(s.tokens) - 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted by an earlier allocation this step
+                continue
+            work = self._piece(seq, budget, works)
+            if work is not None:
+                works.append(work)
+                budget -= work.end - work.start
+        while self.waiting and budget > 0 and self.states.num_free > 0:
+            seq = self.waiting[0]
+            if seq.fork_of is not None and not _fork_ready(seq):
+                break
+            self.waiting.popleft()
+            self._admit(seq)
+            work = self._piece(seq, budget, works)
+            if work is None:
+                self.preempt(seq)
+                break
+            works.append(work)
+            budget -= work.end - work.start
+        return works
+
+    def _piece(self, seq: Sequence, budget: int, scheduled: list[Work]) -> Work | None:
+        end = seq.next_end(min(budget, self.cfg.chunk_size))
+        slots = self._alloc(end - seq.num_computed, seq, scheduled)
+        return None if slots is None else Work(seq, seq.num_computed, end, slots)
+
+    def _alloc(self, n: int, for_seq: Sequence, scheduled: list[Work]) -> torch.Tensor | None:
+        """n KV slots; preempts the latest-admitted other running sequence not yet scheduled this step."""
+        busy = {id(w.seq) for w in scheduled} | {id(for_seq)}
+        while True:
+            slots = self.cache.alloc_kv(n)
+            if slots is not None:
+                return slots
+            victims = [s for s in self.running if id(s) not in busy]
+            if not victims:
+                return None
+            self.preempt(victims[-1])
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, seq: Sequence) -> None:
+        """Match the cache, lock the shared prefix, load the checkpoint into a fresh state slot, plan cuts."""
+        tokens = seq.tokens
+        limit = len(tokens) - 1  # at least one token is always computed, to produce logits
+        use_cache = self.cfg.enable_cache or seq.fork_of is not None
+        match = self.cache.match(tokens, limit) if use_cache else None
+        seq.state_slot = self.states.alloc()
+        if match is not None and match.checkpoint_node is not None:
+            seq.node = match.checkpoint_node
+            seq.num_computed = match.checkpoint_len
+            seq.kv_slots = match.kv_slots.clone()
+            self.states.write(seq.state_slot, self.cache.load_checkpoint(seq.node))
+        else:
+            seq.node = self.cache.tree.root
+            seq.num_computed, seq.kv_slots = 0, torch.zeros(0, dtype=torch.long)
+            self.states.zero(seq.state_slot)
+        self.cache.lock(seq.node)
+        seq.num_shared = seq.num_computed
+        if not seq.admitted_once:
+            seq.cached_len = min(seq.num_computed, seq.prompt_len)
+            seq.replayed = max(0, min(match.kv_len, limit) - seq.num_computed) if match is not None else 0
+            seq.admitted_once = True
+        seq.cuts = self._plan_cuts(seq, match)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def _plan_cuts(self, seq: Sequence, match) -> dict[int, str]:
+        """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch point,
+        the prompt end (admission permitting) and, for n > 1, the fork point."""
+        cuts: dict[int, str] = {}
+        prompt_end = seq.prompt_len - 1
+        if self.cfg.enable_cache:
+            if self.cfg.interval:
+                first = (seq.num_computed // self.cfg.interval + 1) * self.cfg.interval
+                cuts.update({p: "interval" for p in range(first, prompt_end + 1, self.cfg.interval)})
+            if match is not None and seq.num_computed < match.kv_len <= prompt_end:
+                cuts[match.kv_len] = "branch"
+            if prompt_end > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:prompt_end]):
+                cuts[prompt_end] = "prompt_end"
+        if seq.params.n > 1 and seq.index == 0 and prompt_end > seq.num_computed:
+            cuts[prompt_end] = "fork"
+        return {p: k for p, k in cuts.items() if p > seq.num_computed}
+
+    # ------------------------------------------------------------------ release
+    def preempt(self, seq: Sequence) -> None:
+        """Give back everything the sequence holds; it returns to the front of the queue to recompute."""
+        self.release(seq)
+        self.num_preemptions += 1
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.kv_slots = torch.zeros(0, dtype=torch.long)
+        self.waiting.appendleft(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free private KV, unlock the shared prefix, free the state slot, leave the running list."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if len(seq.kv_slots) > seq.num_shared:
+            self.cache.free_kv(seq.kv_slots[seq.num_shared :])
+        seq.kv_slots = seq.kv_slots[: seq.num_shared]
+        if seq.node is not None:
+            self.cache.unlock(seq.node)
+            seq.node = None
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
+
+    def private_slots(self) -> list[torch.Tensor]:
+        return [s.kv_slots[s.num_shared :] for s in self.running]
+
+
+def _fork_ready(seq: Sequence) -> bool:
+    """A fork child may start once its leader has computed the prompt up to the fork point (or ended)."""
+    leader = seq.fork_of
+    return leader.is_finished or leader.num_computed >= leader.prompt_len - 1

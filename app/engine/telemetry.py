@@ -1,0 +1,91 @@
+"""Engine telemetry: per-request latencies and lengths, engine-wide cache counters, one snapshot dict.
+
+Hit rate is token-weighted (paper Eq. 9): sum of cached prompt tokens over sum of prompt tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from app.engine.request import Sequence
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    request_id: str
+    prompt_len: int
+    cached_len: int
+    replayed: int
+    output_len: int
+    ttft_s: float
+    tpot_s: float | None
+    finish_reason: str
+
+
+class Telemetry:
+    def __init__(self, window: int = 1024) -> None:
+        self.recent: deque[RequestStats] = deque(maxlen=window)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.replayed_tokens = 0
+        self.output_tokens = 0
+        self.finished = 0
+        self.steps = 0
+
+    def on_admit(self, seq: Sequence) -> None:
+        """Count a sequence's prompt and hit once, at its first admission."""
+        self.prompt_tokens += seq.prompt_len
+        self.cached_tokens += seq.cached_len
+        self.replayed_tokens += seq.replayed
+
+    def on_finish(self, seq: Sequence) -> RequestStats:
+        ttft = (seq.first_token_time or seq.finish_time) - seq.arrival
+        n = len(seq.output_ids)
+        tpot = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time else None
+        stats = RequestStats(seq.request_id, seq.prompt_len, seq.cached_len, seq.replayed, n, ttft, tpot,
+                             seq.finish_reason or "")
+        self.recent.append(stats)
+        self.output_tokens += n
+        self.finished += 1
+        return stats
+
+    def snapshot(self, cache, states, running: int, waiting: int) -> dict:
+        """Everything a replica or controller reads, as plain numbers."""
+        ttfts = [r.ttft_s for r in self.recent]
+        pool = cache.checkpoints
+        c = cache.counters
+        return {
+            "requests_finished": self.finished,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "replayed_tokens": self.replayed_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+            "ttft_p90_s": _quantile(ttfts, 0.9),
+            "checkpoint_slots": pool.num_slots,
+            "checkpoint_slots_used": pool.num_used,
+            "checkpoint_slots_free": pool.num_free,
+            "checkpoint_bytes_per_slot": pool.codec.bytes_per_slot,
+            "checkpoint_bytes_allocated": pool.allocated_bytes,
+            "checkpoint_stores": c.stores,
+            "checkpoint_stores_by_kind": dict(c.by_kind),
+            "checkpoint_loads": c.loads,
+            "checkpoint_evictions": c.checkpoint_evictions,
+            "checkpoint_skipped_stores": c.skipped_stores,
+            "kv_slots_free": cache.kv.num_free,
+            "kv_evicted_tokens": c.kv_evicted_tokens,
+            "running": running,
+            "waiting": waiting,
+            "state_slots_free": states.num_free,
+            "steps": self.steps,
+        }
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,0 +1,140 @@
+"""Engine against cold runs and per-request generation, on both zoo models.
+
+- Exactness: 20 prompts sharing prefixes, served through prompt-end, interval and branch-point checkpoint
+  hits, give the cold greedy tokens, and every logit vector agrees within 1e-4.
+- 64 concurrent requests of mixed lengths finish; batched greedy equals per-request greedy.
+- A pool of k checkpoint slots never holds more than k; tiny KV and checkpoint pools still finish every
+  request (eviction, waiting, preemption) with unchanged outputs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
+from app.models.generate import generate
+from app.models.loader import ZOO_DIR, load_model
+from app.models.tokenizer import Tokenizer
+
+LOGIT_TOL = 1e-4
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["kda-tiny", "gdn-tiny"])
+def zoo(request):
+    torch.set_num_threads(2)
+    d = ZOO_DIR / request.param
+    return load_model(d), Tokenizer.from_dir(d)
+
+
+def _prompts(tok: Tokenizer, n: int = 20, seed: int = 0) -> list[list[int]]:
+    """Families of prompts: a long shared header, sub-branches, and exact repeats."""
+    rng = random.Random(seed)
+    header = tok.encode("import os\nimport sys\n\n\nclass Loader:\n    \"\"\"Reads records.\"\"\"\n\n" * 4)
+    branches = [tok.encode(f"    def load_{name}(self, path):\n        with open(path) as f:\n")
+                for name in ("json", "csv", "toml")]
+    out = []
+    for i in range(n):
+        tail = tok.encode(f"            return f.read({rng.randint(0, 99)})\n")
+        p = header + branches[i % 3] + (tail if i % 4 else [])
+        out.append(p if i % 5 else header[: 40 + i])
+    return out
+
+
+def _record_logits(engine: Engine) -> dict:
+    """Wrap the runner so every next-token logit vector is kept, keyed by (request, seq, position)."""
+    seen, run = {}, engine.runner.run
+
+    def recording(works):
+        logits = run(works)
+        for w in works:
+            if id(w.seq) in logits:
+                seen[(w.seq.request_id, w.seq.index, w.end)] = logits[id(w.seq)].clone()
+        return logits
+
+    engine.runner.run = recording
+    return seen
+
+
+def test_cache_hits_equal_cold_runs(zoo):
+    model, tok = zoo
+    prompts = _prompts(tok)
+    cold = Engine(model, tok, EngineConfig(enable_cache=False))
+    hot = Engine(model, tok, EngineConfig(interval=32, chunk_size=48, checkpoint_slots=64))
+    cold_logits, hot_logits = _record_logits(cold), _record_logits(hot)
+    cached = []
+    for i, p in enumerate(prompts):  # one at a time: each later prompt can hit what earlier ones stored
+        want = cold.generate([p], GREEDY)[0][0]
+        got = hot.generate([p], GREEDY)[0][0]
+        assert got.output_ids == want.output_ids, f"prompt {i} diverges (cached {got.cached_tokens})"
+        cached.append(got.cached_tokens)
+        hot.check_integrity()
+    assert len(cold_logits) == len(hot_logits)
+    for (rid, idx, pos), want in cold_logits.items():
+        assert (hot_logits[(rid, idx, pos)] - want).abs().max().item() < LOGIT_TOL
+    kinds = hot.cache.counters.by_kind
+    assert kinds.get("prompt_end") and kinds.get("interval") and kinds.get("branch"), kinds
+    assert hot.cache.counters.loads >= 10 and sum(cached) > 0
+    assert any(c % 32 == 0 and c > 0 for c in cached), "no hit replayed from an interval checkpoint"
+    snap = hot.snapshot()
+    assert 0 < snap["hit_rate"] < 1 and snap["replayed_tokens"] > 0
+
+
+def test_repeated_prompt_hits_at_prompt_end_and_next_turn_hits(zoo):
+    model, tok = zoo
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8))
+    prompt = tok.encode("def parse(text):\n    tokens = text.split()\n    return")
+    first = eng.generate([prompt], GREEDY)[0][0]
+    again = eng.generate([prompt], GREEDY)[0][0]
+    assert first.cached_tokens == 0 and again.cached_tokens == len(prompt) - 1
+    assert again.output_ids == first.output_ids
+    turn2 = prompt + first.output_ids + tok.encode("\n\n")
+    nxt = eng.generate([turn2], GREEDY)[0][0]
+    assert nxt.cached_tokens == len(prompt) + len(first.output_ids) - 1  # the generation-end checkpoint
+    assert nxt.output_ids == generate(model, turn2, 8)
+
+
+def test_64_concurrent_requests_match_per_request_greedy(zoo):
+    model, tok = zoo
+    rng = random.Random(1)
+    text = tok.encode(open(__file__).read())
+    prompts = [text[(s := rng.randrange(0, len(text) - 300)) : s + rng.randint(5, 300)] for _ in range(64)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0, ignore_eos=True) for _ in prompts]
+    eng = Engine(model, tok, EngineConfig(max_running=24, chunk_size=64, max_tokens_per_step=512, interval=64,
+                                          checkpoint_slots=16))
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.output_ids
+        eng.check_integrity()
+    assert len(done) == 64
+    for rid, p, sp in zip(ids, prompts, params):
+        assert done[rid] == generate(model, p, sp.max_tokens), rid
+
+
+def test_small_pools_never_fail_and_keep_outputs(zoo):
+    model, tok = zoo
+    rng = random.Random(3)
+    text = tok.encode(open(__file__).read())
+    distinct = [text[(s := rng.randrange(0, len(text) - 300)) : s + rng.randint(150, 250)] for _ in range(8)]
+    prompts = distinct + distinct[:4]  # repeats hit, distinct prompts compete for 2 slots and 600 KV tokens
+    eng = Engine(model, tok, EngineConfig(max_running=6, kv_slots=600, chunk_size=32, checkpoint_slots=2, interval=16))
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.output_ids
+        assert eng.cache.checkpoints.num_used <= 2
+        eng.check_integrity()
+    for rid, p in zip(ids, prompts):
+        assert done[rid] == generate(model, p, 8)
+    snap = eng.snapshot()
+    assert snap["checkpoint_evictions"] > 0 and snap["kv_evicted_tokens"] > 0 and snap["preemptions"] > 0, snap
