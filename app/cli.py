@@ -1,51 +1,86 @@
 """Command line: `python -m app.cli generate --model kda-tiny --prompt "..." --max-tokens 32 --temperature 0`.
 
-The model is a zoo name (app/models/zoo/<name>) or a checkpoint directory.
+The model is a zoo name (app/models/zoo/<name>) or a checkpoint directory. Several prompts (repeat --prompt,
+or --prompt-file with one JSON string per line) run in order through one engine, so later prompts hit the
+prefix cache that earlier ones filled; --json prints one object per request.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
 
-from app.models.generate import generate
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            prompts += [json.loads(line) for line in f if line.strip()]
+    return prompts
 
 
 def _generate(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
-    except FileNotFoundError as e:
+        prompts = _read_prompts(args)
+        if not prompts:
+            raise ValueError("give --prompt (repeatable) or --prompt-file")
+        cfg = EngineConfig(interval=args.interval, admission=args.admission, eviction=args.eviction,
+                           checkpoint_budget_mb=args.checkpoint_budget_mb, enable_cache=not args.no_cache)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = load_model(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        print("error: the prompt is empty", file=sys.stderr)
-        return 2
-    out = generate(model, prompt_ids, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, stop_ids=() if args.ignore_eos else tokenizer.stop_token_ids)
-    if out and out[-1] in tokenizer.stop_token_ids and not args.ignore_eos:
-        out = out[:-1]
-    print(tokenizer.decode(out))
+    engine = Engine(load_model(model_dir), tokenizer, cfg)
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        try:
+            out = engine.generate([ids], params)[0][0]
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps({"text": out.text, "token_ids": out.output_ids, "prompt_tokens": out.prompt_tokens,
+                              "cached_tokens": out.cached_tokens, "ttft_ms": round(out.ttft_s * 1000, 3)}))
+        else:
+            print(out.text)
+    if args.stats:
+        print(json.dumps(engine.snapshot(), indent=2), file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.cli", description="dasc-serve command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="complete a prompt with a zoo model or checkpoint directory")
+    g = sub.add_parser("generate", help="complete prompts with a zoo model or checkpoint directory")
     g.add_argument("--model", default="kda-tiny", help="zoo name or checkpoint directory")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", action="append", help="a prompt; repeat for several")
+    g.add_argument("--prompt-file", help="file with one JSON string per line")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
+    g.add_argument("--json", action="store_true", help="one JSON object per request")
+    g.add_argument("--stats", action="store_true", help="print engine telemetry to stderr at the end")
+    cache = g.add_argument_group("prefix cache")
+    cache.add_argument("--interval", type=int, default=0, help="checkpoint every N tokens (0: ends only)")
+    cache.add_argument("--admission", choices=["always", "second_hit"], default="always")
+    cache.add_argument("--eviction", choices=["lru", "flop_aware"], default="lru")
+    cache.add_argument("--checkpoint-budget-mb", type=float, default=64.0)
+    cache.add_argument("--no-cache", action="store_true", help="cold runs: no lookups, no checkpoints")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.set_defaults(func=_generate)
     return parser
@@ -55,9 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.max_tokens < 1:
-        print("error: --max-tokens must be at least 1", file=sys.stderr)
-        return 2
     return args.func(args)
 
 

@@ -47,8 +47,8 @@ class Engine:
         self._seqs: dict[str, list[Sequence]] = {}
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError for inputs the engine cannot serve."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request this engine cannot serve (reads no mutable state)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.model.config.vocab_size for t in prompt_ids):
@@ -58,6 +58,10 @@ class Engine:
                              f"context length {self.max_model_len}")
         if len(prompt_ids) + params.max_tokens > self.cfg.kv_slots:
             raise ValueError(f"request needs more KV than the engine holds ({self.cfg.kv_slots} tokens)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError for inputs the engine cannot serve."""
+        self.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id}")
@@ -142,7 +146,7 @@ class Engine:
         seq.text += delta
         if reason is not None:
             self._finish(seq, reason, store=True)
-        return RequestOutput(seq.request_id, seq.index, [token], delta, reason is not None, reason,
+        return RequestOutput(seq.request_id, seq.index, [token], delta, seq.text, reason is not None, reason,
                              seq.prompt_len, seq.cached_len, list(seq.output_ids),
                              seq.first_token_time - seq.arrival)
 

@@ -108,6 +108,7 @@ class RequestOutput:
     index: int
     new_token_ids: list[int]
     new_text: str
+    text: str
     finished: bool
     finish_reason: str | None
     prompt_tokens: int

@@ -1,0 +1,104 @@
+"""Streaming wrapper: the engine's step loop runs in a background thread, requests stream through asyncio.
+
+`generate()` yields a `RequestOutput` per new token of each of the request's sequences; leaving the loop
+early (client gone) aborts the request. New requests and aborts are handed to the loop thread through a
+short-held queue, so the event loop never waits for a model step. An exception inside a step is delivered
+to every open request, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from app.engine.engine import Engine
+from app.engine.request import RequestOutput, SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._engine_lock = threading.Lock()  # held for a whole step
+        self._cv = threading.Condition()  # held briefly, guards the hand-over lists
+        self._pending: list[tuple[list[int], SamplingParams, str]] = []
+        self._aborts: list[str] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs until every sequence of the request finished. Raises ValueError on bad input."""
+        self.engine.validate(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cv:
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._pending.append((list(prompt_ids), params, request_id))
+            self._cv.notify()
+        remaining = params.n
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item.finished
+                yield item
+        finally:
+            with self._cv:
+                self._queues.pop(request_id, None)
+                if remaining:
+                    self._aborts.append(request_id)
+                    self._cv.notify()
+
+    def snapshot(self) -> dict:
+        """Engine telemetry (waits for the step in flight, if any)."""
+        with self._engine_lock:
+            return self.engine.snapshot()
+
+    def call(self, fn, *args):
+        """Run `fn(engine, *args)` between steps, e.g. to retune the cache."""
+        with self._engine_lock:
+            return fn(self.engine, *args)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopped or self._pending or self._aborts or self.engine.has_unfinished()):
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                pending, self._pending = self._pending, []
+                aborts, self._aborts = self._aborts, []
+            with self._engine_lock:
+                for prompt, params, request_id in pending:
+                    self.engine.add_request(prompt, params, request_id)
+                for request_id in aborts:
+                    self.engine.abort(request_id)
+                try:
+                    outputs = self.engine.step() if self.engine.has_unfinished() else []
+                except Exception as exc:  # deliver to every waiter and drop the engine's work
+                    self._fail_all(exc)
+                    continue
+            with self._cv:
+                targets = [(self._queues.get(o.request_id), o) for o in outputs]
+            for target, out in targets:
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cv:
+            queues = list(self._queues.items())
+        for request_id, (loop, queue) in queues:
+            self.engine.abort(request_id)
+            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine step failed: {exc!r}"))
