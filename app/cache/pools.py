@@ -60,11 +60,21 @@ class PagedKV:
 
     def __init__(self, pool: KVPool, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
         self.pool, self.history, self.new = pool, history, new
+        self._padded_index: dict[tuple[int, ...], torch.Tensor] = {}
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
         store = self.pool.storage[layer]
         store[self.new[seq]] = entries.to(store.dtype)
         return store[torch.cat([self.history[seq], self.new[seq]])]
+
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
+        store = self.pool.storage[layer]
+        store[torch.cat([self.new[s] for s in seqs])] = entries.to(store.dtype)
+        key = tuple(seqs)
+        if key not in self._padded_index:  # same slot table for every attention layer of the step
+            self._padded_index[key] = torch.nn.utils.rnn.pad_sequence(
+                [torch.cat([self.history[s], self.new[s]]) for s in seqs], batch_first=True)
+        return store[self._padded_index[key]]
 
 
 class StatePool:

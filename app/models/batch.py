@@ -83,6 +83,11 @@ class AttentionKV(Protocol):
         """Store `entries` [extend_len, W] after the sequence's cached tokens; return all [cached_len + extend_len, W]."""
         ...
 
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
+        """Decode form: one new entry per sequence (entries [B, W]); returns every history padded to the longest,
+        [B, S_max, W] (rows past a sequence's length are arbitrary; the caller masks them)."""
+        ...
+
 
 class ContiguousKV:
     """`AttentionKV` over one growing tensor per (layer, sequence): for the CLI, tests and training probes."""
@@ -95,6 +100,10 @@ class ContiguousKV:
         full = entries if old is None else torch.cat([old, entries], dim=0)
         self._store[(layer, seq)] = full
         return full
+
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence(
+            [self.extend(layer, s, entries[i : i + 1]) for i, s in enumerate(seqs)], batch_first=True)
 
     def length(self, layer: int, seq: int) -> int:
         t = self._store.get((layer, seq))

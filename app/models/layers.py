@@ -150,9 +150,40 @@ def attend(
             q.view(b, t, *q.shape[1:]), k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]), scale
         )
         return out.reshape(b * t, *out.shape[2:])
-    outs = []
+    decode = [i for i, n in enumerate(layout.extend_lens) if n == 1]
+    out = q.new_empty(q.shape[0], *_value_shape(q, entries, expand))
+    if len(decode) > 1:  # one padded batch for every single-token sequence
+        rows = layout.last_token_index[decode]
+        history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
+        k, v = expand(history.flatten(0, 1))
+        b, s_max = history.shape[:2]
+        k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
+        lengths = torch.tensor([layout.cached_lens[i] + 1 for i in decode])
+        mask = (torch.arange(s_max)[None, :] < lengths[:, None])[:, None, None, :]
+        out[rows] = _padded_decode_attention(q[rows], k, v, mask, scale)
+        decode = set(decode)
+    else:
+        decode = set()
     for i, (lo, hi) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:])):
-        history = kv.extend(layer, i, entries[lo:hi])
-        k, v = expand(history)
-        outs.append(causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale))
-    return torch.cat(outs, dim=0)
+        if i in decode:
+            continue
+        k, v = expand(kv.extend(layer, i, entries[lo:hi]))
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)
+    return out
+
+
+def _value_shape(q: torch.Tensor, entries: torch.Tensor, expand) -> tuple[int, int]:
+    """(heads, value dim) of the attention output, from expanding one entry."""
+    _, v = expand(entries[:1])
+    return q.shape[1], v.shape[-1]
+
+
+def _padded_decode_attention(q, k, v, mask, scale) -> torch.Tensor:
+    """q: [B, H, Dq]; k: [B, S, Hkv, Dq]; v: [B, S, Hkv, Dv]; mask: [B, 1, 1, S] -> [B, H, Dv]."""
+    h = q.shape[1]
+    if k.shape[2] != h:
+        k = k.repeat_interleave(h // k.shape[2], dim=2)
+        v = v.repeat_interleave(h // v.shape[2], dim=2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out[:, :, 0, :]

@@ -35,7 +35,11 @@ def causal_conv1d(
     xs = _with_state(x, weight, initial_state)  # [B, C, W-1+T]
     C, W = weight.shape
     b = None if bias is None else bias.float()
-    y = F.conv1d(xs.float(), weight.float().unsqueeze(1), b, groups=C)  # [B, C, T]
+    if x.shape[1] == 1:  # decode step: one dot product per channel is cheaper than a grouped conv
+        y = (xs.float() * weight.float()).sum(-1, keepdim=True)
+        y = y if b is None else y + b[:, None]
+    else:
+        y = F.conv1d(xs.float(), weight.float().unsqueeze(1), b, groups=C)  # [B, C, T]
     return _finish(y, activation, x.dtype), xs[:, :, xs.shape[-1] - (W - 1) :]
 
 

@@ -1,0 +1,156 @@
+"""Engine benchmark: `python -m loadtest.bench_engine --model kda-tiny [--repeats 5] [--out docs/benchmarks.md]`.
+
+In one run, on one checkpoint:
+1. TTFT for prompts of 256..2048 tokens: cold (no cache), hit at the prompt end, hit that replays from an
+   earlier interval checkpoint (the prompt shares all but its last `--diverge` tokens with a cached one), and
+   for each hit the time to prefill only its uncached suffix with the model alone (state and KV ready), which
+   is the floor a cache hit can reach. Also transformers' `generate` (1 new token) as the baseline.
+2. Decode tokens/s against batch size, ours vs transformers' `generate` on equal-length prompts.
+Every figure is the median of --repeats runs; ratios are against baselines measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
+from app.models.batch import BatchLayout, ContiguousKV
+from app.models.corpus import read_source, split_files, stdlib_files
+from app.models.loader import load_model, resolve_model_dir
+from app.models.tokenizer import Tokenizer
+from loadtest.common import header, median, save, table, timed
+
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def corpus_ids(tok: Tokenizer, n: int) -> list[int]:
+    _, held_out = split_files(stdlib_files())
+    ids: list[int] = []
+    for f in held_out:
+        ids += tok.encode(read_source(f))
+        if len(ids) >= n:
+            return ids[:n]
+    raise RuntimeError("held-out corpus too small")
+
+
+def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    out = engine.generate([prompt], ONE)[0][0]
+    return out.ttft_s, out.cached_tokens
+
+
+@torch.no_grad()
+def suffix_prefill(model, prompt: list[int], cached: int) -> float:
+    """Model-only time to compute prompt[cached:] given the state and KV after prompt[:cached]."""
+    kv, states = ContiguousKV(), model.empty_states(1)
+    if cached:
+        _, states = model(torch.tensor(prompt[:cached]), BatchLayout((cached,), (0,)), kv, states)
+    n = len(prompt) - cached
+    t, _ = timed(lambda: model(torch.tensor(prompt[cached:]), BatchLayout((n,), (cached,)), kv, states)[0].argmax())
+    return t
+
+
+@torch.no_grad()
+def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    t, _ = timed(ref.generate, ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return t
+
+
+def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge) -> list[dict]:
+    source = corpus_ids(tok, max(lengths) * (repeats + 2) * 2)
+    rows = []
+    for L in lengths:
+        cold, end_hit, replay, floor_end, floor_replay, hf, cached_end, cached_replay = ([] for _ in range(8))
+        for r in range(repeats):
+            base = source[(2 * r) * L : (2 * r + 1) * L]
+            other = source[(2 * r + 1) * L : (2 * r + 2) * L]
+            cold_engine = Engine(model, tok, EngineConfig(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
+            cold.append(ttft(cold_engine, base)[0])
+            hot = Engine(model, tok, EngineConfig(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
+                                                  checkpoint_slots=64))
+            ttft(hot, base)  # fill: prompt-end and interval checkpoints of `base`
+            t, c = ttft(hot, base)
+            end_hit.append(t), cached_end.append(c), floor_end.append(suffix_prefill(model, base, c))
+            branch = base[: L - diverge] + other[:diverge]
+            t, c = ttft(hot, branch)
+            replay.append(t), cached_replay.append(c), floor_replay.append(suffix_prefill(model, branch, c))
+            hf.append(hf_generate_time(ref, [base], 1))
+        row = {"prompt_len": L, "cold_ms": median(cold) * 1e3, "hf_generate_ms": median(hf) * 1e3,
+               "hit_end_ms": median(end_hit) * 1e3, "hit_end_cached": median(cached_end),
+               "hit_end_floor_ms": median(floor_end) * 1e3,
+               "hit_replay_ms": median(replay) * 1e3, "hit_replay_cached": median(cached_replay),
+               "hit_replay_floor_ms": median(floor_replay) * 1e3}
+        row["hit_end_over_floor"] = row["hit_end_ms"] / row["hit_end_floor_ms"]
+        row["hit_replay_over_floor"] = row["hit_replay_ms"] / row["hit_replay_floor_ms"]
+        row["cold_over_hf"] = row["cold_ms"] / row["hf_generate_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64) -> list[dict]:
+    source = corpus_ids(tok, prompt_len * max(batches))
+    rows = []
+    for b in batches:
+        prompts = [source[i * prompt_len : (i + 1) * prompt_len] for i in range(b)]
+        ours, theirs = [], []
+        for _ in range(repeats):
+            engine = Engine(model, tok, EngineConfig(enable_cache=False, max_running=max(batches)))
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            first = timed(engine.generate, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+            full = timed(engine.generate, prompts, params)[0]
+            ours.append(b * (new_tokens - 1) / (full - first))
+            hf_first = hf_generate_time(ref, prompts, 1)
+            hf_full = hf_generate_time(ref, prompts, new_tokens)
+            theirs.append(b * (new_tokens - 1) / (hf_full - hf_first))
+        row = {"batch": b, "ours_tok_s": median(ours), "hf_tok_s": median(theirs)}
+        row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kda-tiny")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--interval", type=int, default=128)
+    p.add_argument("--diverge", type=int, default=96, help="replay case: tokens after the shared prefix")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="append the markdown section to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model)
+    model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    ttft_rows = bench_ttft(model, tok, ref, args.lengths, args.repeats, args.interval, args.diverge)
+    decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats)
+    md = header(f"Engine: TTFT and decode ({args.model})", config)
+    md += "\nTTFT in ms (median of %d). *floor*: model-only prefill of the uncached suffix.\n\n" % args.repeats
+    md += table(["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached",
+                 "floor", "ratio"],
+                [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
+                  r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
+                  r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in ttft_rows])
+    md += "\n\nDecode tokens/s (64-token prompts, 64 new tokens, median of %d):\n\n" % args.repeats
+    md += table(["batch", "ours", "HF generate", "speedup"],
+                [[r["batch"], r["ours_tok_s"], r["hf_tok_s"], r["speedup"]] for r in decode_rows])
+    print(md)
+    save(f"bench_engine_{args.model}", {"config": config, "ttft": ttft_rows, "decode": decode_rows})
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + md + "\n")
+
+
+if __name__ == "__main__":
+    main()
