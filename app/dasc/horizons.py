@@ -24,3 +24,26 @@ def static_horizons(A_log: torch.Tensor, dt_bias: torch.Tensor, a: float = STATI
     g = -A[:, None] * F.softplus(a + dt)
     h = math.log(eps) / g
     return h[:, 0] if h.shape[1] == 1 else h
+
+
+def model_geometry(model) -> list:
+    """UnitGeometry of every linear-attention layer of one of our models (KDA: per channel, GDN: per head)."""
+    from app.dasc.plan import UnitGeometry
+
+    out = []
+    for i in model.linear_layers:
+        mixer = model.model.layers[i].mixer
+        (_, _), (heads, d_k, d_v) = mixer.state_shapes()
+        kda = hasattr(mixer, "forget_gate")
+        out.append(UnitGeometry(i, "kda" if kda else "gdn", heads, d_k, d_v, 1 if kda else mixer.r))
+    return out
+
+
+def model_horizons(model) -> list[torch.Tensor]:
+    """Static horizons of every linear layer's units: [H, K] for KDA, [H] for GDN."""
+    out = []
+    for i in model.linear_layers:
+        mixer = model.model.layers[i].mixer
+        holder = getattr(mixer, "forget_gate", mixer)  # KDA keeps its decay parameters on the forget gate
+        out.append(static_horizons(holder.A_log, holder.dt_bias))
+    return out

@@ -22,6 +22,11 @@ class EngineConfig:
     admission: `always` or `second_hit` (prompt-end checkpoints only for prefixes seen before).
     eviction: `lru` or `flop_aware` (Marconi) for checkpoints.
     enable_cache: False gives cold runs: no lookups and no checkpoints.
+    w_max: None stores dense checkpoints (exact copies); a number stores dasc checkpoints keeping the units
+        whose static horizon exceeds it (0 keeps every unit through the dasc path).
+    policy: `nr` zero-fills omitted units on load, `wr` refreshes them by replaying a bounded suffix.
+    quant: `none` (fp32) or `int8` storage of retained units. layout: `ragged` or `padded`.
+    selector: `decay` or `random:<seed>` (count-matched random units, the paper's baseline).
     """
 
     max_running: int = 64
@@ -36,6 +41,11 @@ class EngineConfig:
     enable_cache: bool = True
     flop_alpha: float = 0.5
     max_model_len: int | None = None
+    w_max: float | None = None
+    policy: str = "nr"
+    quant: str = "none"
+    layout: str = "ragged"
+    selector: str = "decay"
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:
@@ -44,6 +54,12 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if min(self.max_running, self.chunk_size, self.max_tokens_per_step, self.kv_slots) < 1:
             raise ValueError("max_running, chunk_size, max_tokens_per_step and kv_slots must be positive")
+        if self.policy not in ("nr", "wr") or self.quant not in ("none", "int8") or self.layout not in ("ragged", "padded"):
+            raise ValueError(f"bad dasc settings: policy {self.policy!r}, quant {self.quant!r}, layout {self.layout!r}")
+        if self.w_max is not None and self.w_max < 0:
+            raise ValueError(f"w_max must be >= 0, got {self.w_max}")
+        if not (self.selector == "decay" or self.selector.startswith("random:")):
+            raise ValueError(f"selector must be 'decay' or 'random:<seed>', got {self.selector!r}")
         if self.interval < 0:
             raise ValueError(f"interval must be >= 0, got {self.interval}")
         if self.checkpoint_slots is None and (self.checkpoint_budget_mb is None or self.checkpoint_budget_mb < 0):

@@ -14,6 +14,10 @@ import time
 import torch
 
 from app.cache.checkpoint import CheckpointCodec, CheckpointPool, DenseCodec
+from app.dasc.codec import DascCodec
+from app.dasc.horizons import model_geometry, model_horizons
+from app.dasc.plan import make_plan
+from app.dasc.policy import local_rows, refresh_local_units
 from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVPool, StatePool
 from app.cache.prefix_cache import PrefixCache
@@ -31,7 +35,12 @@ class Engine:
                  codec: CheckpointCodec | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         template = model.empty_states(1)
+        self.plan = None
+        if codec is None and cfg.w_max is not None:
+            self.plan = make_plan(model_geometry(model), model_horizons(model), cfg.w_max, cfg.selector)
+            codec = DascCodec(template, self.plan, cfg.layout, cfg.quant)
         self.codec = codec or DenseCodec(template)
+        self._local_rows = local_rows(self.plan) if self.plan is not None and cfg.policy == "wr" else None
         budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
         pool = CheckpointPool(self.codec, budget_bytes=budget, num_slots=cfg.checkpoint_slots)
         kv = KVPool(_kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
@@ -39,7 +48,7 @@ class Engine:
             *_flops_per_token(model), self.codec.bytes_per_slot, cfg.flop_alpha)
         self.cache = PrefixCache(kv, pool, cfg.admission, select)
         self.states = StatePool(template, cfg.max_running)
-        self.scheduler = Scheduler(cfg, self.cache, self.states)
+        self.scheduler = Scheduler(cfg, self.cache, self.states, self._after_load)
         self.runner = ModelRunner(model, kv, self.states)
         self.telemetry = Telemetry()
         self.max_model_len = cfg.max_model_len or _model_len(model)
@@ -161,6 +170,18 @@ class Engine:
         if all(s.is_finished for s in self._seqs.get(seq.request_id, [])):
             self._seqs.pop(seq.request_id, None)
 
+    def _after_load(self, seq: Sequence) -> None:
+        """wr: refresh the omitted units of a freshly loaded checkpoint (the scheduler calls this on a hit)."""
+        if not self._local_rows:
+            return
+        t0 = time.perf_counter()
+        state = self.states.gather([seq.state_slot])
+        n = refresh_local_units(self.model, seq.tokens[: seq.num_computed], self.cache.kv.storage,
+                                seq.kv_slots[: seq.num_computed], state, self.plan, self._local_rows)
+        self.states.write(seq.state_slot, state)
+        self.telemetry.wr_replay_tokens += n
+        self.telemetry.wr_replay_s += time.perf_counter() - t0
+
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[RequestOutput]]:
         """Run prompts to completion (batched); per request the final output of each of its n sequences."""
@@ -175,6 +196,12 @@ class Engine:
     def snapshot(self) -> dict:
         snap = self.telemetry.snapshot(self.cache, self.states, len(self.scheduler.running), len(self.scheduler.waiting))
         snap["preemptions"] = self.scheduler.num_preemptions
+        dense = self.plan.total_units if self.plan else None
+        snap["dasc"] = None if self.plan is None else {
+            "w_max": self.plan.w_max, "policy": self.cfg.policy, "quant": self.cfg.quant, "layout": self.cfg.layout,
+            "selector": self.plan.selector, "retained_fraction": self.plan.retained_fraction,
+            "compression_ratio": DenseCodec(self.model.empty_states(1)).bytes_per_slot / self.codec.bytes_per_slot,
+            "total_units": dense, "retained_units": self.plan.retained_units}
         return snap
 
     def check_integrity(self) -> None:

@@ -33,6 +33,8 @@ class Telemetry:
         self.output_tokens = 0
         self.finished = 0
         self.steps = 0
+        self.wr_replay_tokens = 0
+        self.wr_replay_s = 0.0
 
     def on_admit(self, seq: Sequence) -> None:
         """Count a sequence's prompt and hit once, at its first admission."""
@@ -81,6 +83,8 @@ class Telemetry:
             "waiting": waiting,
             "state_slots_free": states.num_free,
             "steps": self.steps,
+            "wr_replay_tokens": self.wr_replay_tokens,
+            "wr_replay_s": self.wr_replay_s,
         }
 
 

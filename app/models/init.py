@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from app.dasc.horizons import STATIC_A, static_horizons
+from app.dasc.horizons import STATIC_A
 from app.models.hybrid import HybridForCausalLM
 from app.models.layers import Experts, RMSNorm, RMSNormGated
 
@@ -67,13 +67,3 @@ def init_decay(model: HybridForCausalLM, seed: int = 0) -> None:
             dt = _inverse_softplus((neg_g / A[:, None]).clamp_min(1e-6)) - STATIC_A
             a_log.copy_(A.log().view(a_log.shape))
             dt_bias.copy_(dt.reshape(dt_bias.shape))
-
-
-def model_horizons(model: HybridForCausalLM) -> list[torch.Tensor]:
-    """Static horizons of every linear layer's units: [H, K] for KDA, [H] for GDN."""
-    out = []
-    for i in model.linear_layers:
-        mixer = model.model.layers[i].mixer
-        holder = getattr(mixer, "forget_gate", mixer)
-        out.append(static_horizons(holder.A_log, holder.dt_bias))
-    return out

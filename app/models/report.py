@@ -17,7 +17,7 @@ import torch
 
 from app.models.corpus import TrainingStream
 from app.models.generate import generate
-from app.models.init import model_horizons
+from app.dasc.horizons import model_horizons
 from app.models.loader import ZOO_DIR, build_model, load_model
 from app.models.probe import retrieval_probe
 from app.models.tokenizer import Tokenizer
