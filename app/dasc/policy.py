@@ -21,15 +21,27 @@ POLICIES = ("nr", "wr")
 
 
 def unit_window(horizon: float, w_max: float) -> int:
-    """clamp(pow2ceil(H_s), 4, W_max) for one local unit."""
-    p2 = 1 if horizon <= 1 else 2 ** math.ceil(math.log2(horizon))
-    return int(min(max(p2, 4), w_max))
+    """clamp(pow2ceil(H_s), 4, W_max) for one local unit (a horizon >= W_max, even inf, gives W_max)."""
+    if horizon >= w_max:
+        return int(w_max)
+    return int(min(max(_pow2ceil(horizon), 4), w_max))
+
+
+def _pow2ceil(x: float) -> int:
+    """Smallest power of two >= x (1 for x <= 1), exact: frexp gives x = m * 2**e with 0.5 <= m < 1."""
+    if x <= 1:
+        return 1
+    m, e = math.frexp(x)
+    return 2 ** (e - 1) if m == 0.5 else 2**e
 
 
 def wr_window(plan: SelectionPlan) -> int:
-    windows = [unit_window(h, plan.w_max) for lp in plan.layers
-               for u, h in enumerate(lp.horizons) if u not in set(lp.keep)]
-    return max(windows, default=0)
+    """Replay length of wr: the longest unit_window over omitted units; 0 when nothing is omitted."""
+    window = 0
+    for lp in plan.layers:
+        keep = set(lp.keep)
+        window = max([window] + [unit_window(h, plan.w_max) for u, h in enumerate(lp.horizons) if u not in keep])
+    return window
 
 
 def local_rows(plan: SelectionPlan) -> list[torch.Tensor]:
@@ -43,32 +55,35 @@ def local_rows(plan: SelectionPlan) -> list[torch.Tensor]:
 
 
 class ReadOnlyKV:
-    """`AttentionKV` over cached history only: a replayed window attends to the cached entries of its
-    prefix (positions [0, len(slots))) and writes nothing."""
+    """`AttentionKV` over cached history only: replayed windows attend to the cached entries of their
+    prefixes (sequence i: positions [0, len(slots[i]))) and write nothing."""
 
-    def __init__(self, storage: dict[int, torch.Tensor], slots: torch.Tensor) -> None:
+    def __init__(self, storage: dict[int, torch.Tensor], slots: list[torch.Tensor]) -> None:
         self.storage, self.slots = storage, slots
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
-        return self.storage[layer][self.slots]
+        return self.storage[layer][self.slots[seq]]
 
     def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
-        return self.storage[layer][self.slots][None]
+        return torch.nn.utils.rnn.pad_sequence([self.storage[layer][self.slots[s]] for s in seqs], batch_first=True)
 
 
 @torch.no_grad()
-def refresh_local_units(model, tokens: list[int], kv_storage: dict[int, torch.Tensor], slots: torch.Tensor,
-                        state: LinearStates, plan: SelectionPlan, rows: list[torch.Tensor]) -> int:
-    """wr for one sequence whose checkpoint covers `tokens` (KV in `slots`): overwrite the local rows of
-    `state` (batch 1, in place) from a scratch replay of the last window tokens. Returns tokens replayed."""
-    window = min(wr_window(plan), len(tokens))
-    if window == 0:
+def refresh_local_units(model, prefixes: list[list[int]], kv_storage: dict[int, torch.Tensor],
+                        slots: list[torch.Tensor], states: LinearStates, plan: SelectionPlan,
+                        rows: list[torch.Tensor]) -> int:
+    """wr for a batch of sequences whose checkpoints cover `prefixes` (KV in `slots`): overwrite the local rows
+    of `states` (batch B, in place) from scratch replays of each prefix's last window tokens, run as one batch.
+    Returns the tokens replayed."""
+    window = wr_window(plan)
+    if window == 0 or not prefixes:
         return 0
-    start = len(tokens) - window
-    scratch = model.empty_states(1)
-    ids = torch.tensor(tokens[start:], dtype=torch.long)
-    _, fresh = model(ids, BatchLayout((window,), (start,)), ReadOnlyKV(kv_storage, slots), scratch)
+    lens = [min(window, len(p)) for p in prefixes]
+    starts = [len(p) - n for p, n in zip(prefixes, lens)]
+    ids = torch.tensor([t for p, s in zip(prefixes, starts) for t in p[s:]], dtype=torch.long)
+    _, fresh = model(ids, BatchLayout(tuple(lens), tuple(starts)), ReadOnlyKV(kv_storage, slots),
+                     model.empty_states(len(prefixes)))
     for j, local in enumerate(rows):
-        d_v = state.ssm[j].shape[-1]
-        state.ssm[j].view(-1, d_v)[local] = fresh.ssm[j].view(-1, d_v)[local]
-    return window
+        b, d_v = states.ssm[j].shape[0], states.ssm[j].shape[-1]
+        states.ssm[j].view(b, -1, d_v)[:, local] = fresh.ssm[j].view(b, -1, d_v)[:, local]
+    return sum(lens)

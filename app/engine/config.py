@@ -27,6 +27,7 @@ class EngineConfig:
     policy: `nr` zero-fills omitted units on load, `wr` refreshes them by replaying a bounded suffix.
     quant: `none` (fp32) or `int8` storage of retained units. layout: `ragged` or `padded`.
     selector: `decay` or `random:<seed>` (count-matched random units, the paper's baseline).
+    store_generation_end: checkpoint where generation ended, so a conversation's next turn hits.
     """
 
     max_running: int = 64
@@ -46,6 +47,7 @@ class EngineConfig:
     quant: str = "none"
     layout: str = "ragged"
     selector: str = "decay"
+    store_generation_end: bool = True
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:

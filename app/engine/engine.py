@@ -48,7 +48,7 @@ class Engine:
             *_flops_per_token(model), self.codec.bytes_per_slot, cfg.flop_alpha)
         self.cache = PrefixCache(kv, pool, cfg.admission, select)
         self.states = StatePool(template, cfg.max_running)
-        self.scheduler = Scheduler(cfg, self.cache, self.states, self._after_load)
+        self.scheduler = Scheduler(cfg, self.cache, self.states)
         self.runner = ModelRunner(model, kv, self.states)
         self.telemetry = Telemetry()
         self.max_model_len = cfg.max_model_len or _model_len(model)
@@ -95,6 +95,8 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         works = self.scheduler.schedule()
+        loaded, self.scheduler.loaded = self.scheduler.loaded, []
+        self._refresh_loaded([s for s in loaded if s.state_slot is not None])
         if not works:
             return []
         for w in works:
@@ -161,7 +163,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
-        if store and self.cfg.enable_cache and seq.status is Status.RUNNING and seq.num_computed > seq.num_shared:
+        if (store and self.cfg.enable_cache and self.cfg.store_generation_end and seq.status is Status.RUNNING
+                and seq.num_computed > seq.num_shared):
             self._store(seq, "generation_end")
         self.scheduler.release(seq)
         seq.status = Status.FINISHED
@@ -170,15 +173,16 @@ class Engine:
         if all(s.is_finished for s in self._seqs.get(seq.request_id, [])):
             self._seqs.pop(seq.request_id, None)
 
-    def _after_load(self, seq: Sequence) -> None:
-        """wr: refresh the omitted units of a freshly loaded checkpoint (the scheduler calls this on a hit)."""
-        if not self._local_rows:
+    def _refresh_loaded(self, seqs: list[Sequence]) -> None:
+        """wr: refresh the omitted units of the checkpoints loaded this step, in one batched replay."""
+        if not self._local_rows or not seqs:
             return
         t0 = time.perf_counter()
-        state = self.states.gather([seq.state_slot])
-        n = refresh_local_units(self.model, seq.tokens[: seq.num_computed], self.cache.kv.storage,
-                                seq.kv_slots[: seq.num_computed], state, self.plan, self._local_rows)
-        self.states.write(seq.state_slot, state)
+        slots = [s.state_slot for s in seqs]
+        states = self.states.gather(slots)
+        n = refresh_local_units(self.model, [s.tokens[: s.num_computed] for s in seqs], self.cache.kv.storage,
+                                [s.kv_slots[: s.num_computed] for s in seqs], states, self.plan, self._local_rows)
+        self.states.scatter(slots, states)
         self.telemetry.wr_replay_tokens += n
         self.telemetry.wr_replay_s += time.perf_counter() - t0
 

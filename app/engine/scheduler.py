@@ -30,9 +30,9 @@ class Work(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, cache: PrefixCache, states: StatePool, after_load=None) -> None:
+    def __init__(self, cfg: EngineConfig, cache: PrefixCache, states: StatePool) -> None:
         self.cfg, self.cache, self.states = cfg, cache, states
-        self.after_load = after_load  # (seq) -> None, right after a checkpoint hit was loaded (dasc wr)
+        self.loaded: list[Sequence] = []  # admitted from a checkpoint since the engine last looked (dasc wr)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,8 +102,7 @@ class Scheduler:
             seq.num_computed = match.checkpoint_len
             seq.kv_slots = match.kv_slots.clone()
             self.states.write(seq.state_slot, self.cache.load_checkpoint(seq.node))
-            if self.after_load is not None:
-                self.after_load(seq)
+            self.loaded.append(seq)
         else:
             seq.node = self.cache.tree.root
             seq.num_computed, seq.kv_slots = 0, torch.zeros(0, dtype=torch.long)
