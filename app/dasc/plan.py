@@ -155,3 +155,9 @@ def make_plan(geometry: list[UnitGeometry], horizons: list[torch.Tensor], w_max:
     if selector.startswith("random:"):
         return random_plan(plan, int(selector.split(":", 1)[1]))
     raise ValueError(f"selector must be 'decay' or 'random:<seed>', got {selector!r}")
+
+
+if __name__ == "__main__":
+    from app.dasc.plan_tool import main
+
+    main()
