@@ -1,0 +1,59 @@
+"""A `Backend` over one in-process engine: `python -m app.api.local --model kda-tiny --port 8000` serves the
+OpenAI API without Ray (handy for development; the product runs through `deployments/`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import AsyncIterator
+
+from app.api.metrics import ApiMetrics
+from app.api.routes import ApiSettings, build_api
+from app.engine.async_engine import AsyncEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import RequestOutput, SamplingParams
+from app.models.loader import load_model, resolve_model_dir
+from app.models.tokenizer import Tokenizer
+
+
+class LocalBackend:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = AsyncEngine(engine)
+        self.tokenizer = engine.tokenizer
+        self.metrics = ApiMetrics()
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.engine.validate(prompt_ids, params)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        start, first = time.perf_counter(), True
+        async for out in self.engine.generate(prompt_ids, params):
+            if first:
+                self.metrics.ttft.observe(time.perf_counter() - start)
+                first = False
+            yield out
+
+    async def metrics_text(self) -> str:
+        return self.metrics.render({"local": self.engine.snapshot()})
+
+    async def status(self) -> dict:
+        return {"replicas": {"local": self.engine.snapshot()}}
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kda-tiny")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    args = p.parse_args(argv)
+    model_dir = resolve_model_dir(args.model)
+    engine = Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig())
+    app = build_api(LocalBackend(engine), ApiSettings(model_name=args.model, api_key=args.api_key))
+    uvicorn.run(app, host="127.0.0.1", port=args.port)
+
+
+if __name__ == "__main__":
+    main()
