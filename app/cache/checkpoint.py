@@ -72,8 +72,8 @@ class CheckpointPool:
         physical = budget_bytes // codec.bytes_per_slot if budget_bytes is not None else num_slots + 1
         self.codec = codec
         self.num_slots = max(physical - 1, 0)
-        codec.allocate(max(physical, 1))
-        self.allocated_bytes = max(physical, 1) * codec.bytes_per_slot
+        codec.allocate(physical)  # a budget below one slot allocates nothing (and the pool stores nothing)
+        self.allocated_bytes = physical * codec.bytes_per_slot
         self.allocator = SlotAllocator(self.num_slots, first=1)
 
     @property

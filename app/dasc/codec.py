@@ -46,7 +46,7 @@ class DascCodec(CheckpointCodec):
     def allocated_bytes_per_slot(self) -> int:
         """Measured from the tensors themselves (after `allocate`)."""
         tensors = [self.values, self.scales] + self.conv
-        return sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.shape[1:].numel() * t.element_size() for t in tensors if t is not None)
 
     def allocate(self, num_slots: int) -> None:
         dtype = torch.int8 if self.quant == "int8" else torch.float32

@@ -80,6 +80,8 @@ def _per_rank_layer_max(plan: SelectionPlan, p: Placement) -> int:
 def slot_bytes(plan: SelectionPlan, layout: str = "ragged", quant: str = "none", conv_bytes: int = 0,
                tp: int = 1, placement: str = "off") -> SlotBytes:
     """Exact bytes of one slot on the bottleneck rank. conv_bytes: the whole model's conv state (all ranks)."""
+    if quant not in QUANTS:  # anything else would silently be accounted (and stored) as fp32
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     stored, pad = slot_units(plan, layout, tp, placement)
     lp = plan.layers[0]
     per_value = 1 if quant == "int8" else 4
