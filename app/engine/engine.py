@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import torch
 
@@ -35,18 +36,9 @@ class Engine:
                  codec: CheckpointCodec | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         template = model.empty_states(1)
-        self.plan = None
-        if codec is None and cfg.w_max is not None:
-            self.plan = make_plan(model_geometry(model), model_horizons(model), cfg.w_max, cfg.selector)
-            codec = DascCodec(template, self.plan, cfg.layout, cfg.quant)
-        self.codec = codec or DenseCodec(template)
-        self._local_rows = local_rows(self.plan) if self.plan is not None and cfg.policy == "wr" else None
-        budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
-        pool = CheckpointPool(self.codec, budget_bytes=budget, num_slots=cfg.checkpoint_slots)
+        pool = self._checkpoint_pool(cfg, codec)
         kv = KVPool(_kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
-        select = lru_select if cfg.eviction == "lru" else FlopAwareSelect(
-            *_flops_per_token(model), self.codec.bytes_per_slot, cfg.flop_alpha)
-        self.cache = PrefixCache(kv, pool, cfg.admission, select)
+        self.cache = PrefixCache(kv, pool, cfg.admission, self._select(cfg))
         self.states = StatePool(template, cfg.max_running)
         self.scheduler = Scheduler(cfg, self.cache, self.states)
         self.runner = ModelRunner(model, kv, self.states)
@@ -54,6 +46,40 @@ class Engine:
         self.max_model_len = cfg.max_model_len or _model_len(model)
         self._ids = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}
+
+    def _checkpoint_pool(self, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> CheckpointPool:
+        """The codec the config asks for (dense, or dasc with a plan) and a pool of it within the budget."""
+        template = self.model.empty_states(1)
+        self.plan = None
+        if codec is None and cfg.w_max is not None:
+            self.plan = make_plan(model_geometry(self.model), model_horizons(self.model), cfg.w_max, cfg.selector)
+            codec = DascCodec(template, self.plan, cfg.layout, cfg.quant)
+        self.codec = codec or DenseCodec(template)
+        self._local_rows = local_rows(self.plan) if self.plan is not None and cfg.policy == "wr" else None
+        budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
+        return CheckpointPool(self.codec, budget_bytes=budget, num_slots=cfg.checkpoint_slots)
+
+    def _select(self, cfg: EngineConfig):
+        if cfg.eviction == "lru":
+            return lru_select
+        return FlopAwareSelect(*_flops_per_token(self.model), self.codec.bytes_per_slot, cfg.flop_alpha)
+
+    def retune(self, **changes) -> None:
+        """Apply new cache settings (w_max, policy, quant, layout, selector, interval, ...) between steps.
+
+        A change of what a checkpoint holds drops every stored checkpoint and rebuilds the pool within the same
+        budget (KV pages stay): one pool never mixes layouts. Running sequences keep their active states."""
+        new = replace(self.cfg, **changes)
+        codec_keys = ("w_max", "quant", "layout", "selector", "checkpoint_budget_mb", "checkpoint_slots")
+        if any(getattr(new, k) != getattr(self.cfg, k) for k in codec_keys):
+            for node in self.cache.tree.nodes():
+                node.checkpoint = None
+            self.cache.checkpoints = self._checkpoint_pool(new)
+            self.cache.select = self._select(new)
+        else:
+            self._local_rows = local_rows(self.plan) if self.plan is not None and new.policy == "wr" else None
+        self.cfg = self.scheduler.cfg = new
+        self.cache.admission = new.admission
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
