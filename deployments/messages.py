@@ -1,0 +1,17 @@
+"""What the ingress sends to an engine replica through a DeploymentHandle. The router reads it too:
+`prompt_ids` for our prefix-aware router, `prompt` (text) for Ray's PrefixCacheAffinityRouter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.request import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str = ""
+    request_id: str | None = None
+    hashes: list[int] = field(default_factory=list)  # block hashes, computed once by the ingress

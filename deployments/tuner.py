@@ -1,0 +1,165 @@
+"""The tuning algorithm of the controller, as plain Python (the Ray actor in `controller.py` wraps it).
+
+Settings climb a ladder of compression: dense, then dasc-nr at each W_max up to the operator's nr cap,
+then dasc-wr above it up to the wr cap (answer quality cannot be measured live, so the operator bounds how
+aggressive each policy may be). Every window (window_s seconds) each replica reports TTFT, hit rate,
+checkpoint occupancy, evictions and wr replay time.
+
+- Under cache pressure (evictions, or occupancy at or above `pressure_occupancy`) and with no trial running,
+  the next rung above the current setting is tried on ONE replica (the trial replica) while the others keep
+  the current setting (the control).
+- After `trial_windows` windows with at least `min_requests` requests each, the trial replica's mean TTFT is
+  compared with the control's over the same windows (with a single replica: with its own windows just before
+  the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
+  rejected and not retried for `cooldown_windows` windows (hysteresis both ways: no flapping).
+Every change bumps a version; replicas poll their assignment and apply it between engine steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Setting:
+    w_max: float | None = None  # None: dense checkpoints
+    policy: str = "nr"
+    interval: int = 0
+
+    @property
+    def label(self) -> str:
+        return "dense" if self.w_max is None else f"{self.policy}-W{self.w_max:g}"
+
+
+@dataclass(frozen=True)
+class TunerKnobs:
+    max_w_nr: float = 128
+    max_w_wr: float = 512
+    w_values: tuple[float, ...] = (16, 64, 128, 512, 1024)
+    interval: int = 0
+    trial_windows: int = 2
+    min_requests: int = 4
+    hysteresis: float = 0.05
+    pressure_occupancy: float = 0.95
+    cooldown_windows: int = 10
+
+    def ladder(self) -> list[Setting]:
+        rungs = [Setting(None, "nr", self.interval)]
+        rungs += [Setting(w, "nr", self.interval) for w in self.w_values if w <= self.max_w_nr]
+        rungs += [Setting(w, "wr", self.interval) for w in self.w_values if self.max_w_nr < w <= self.max_w_wr]
+        return rungs
+
+
+@dataclass(frozen=True)
+class Window:
+    """One replica's telemetry over one window."""
+
+    replica: str
+    version: int
+    requests: int
+    ttft_mean_s: float | None
+    hit_rate: float
+    occupancy: float
+    evictions: int
+    wr_replay_s: float = 0.0
+
+
+@dataclass
+class Trial:
+    setting: Setting
+    replica: str
+    ttft: list[float] = field(default_factory=list)
+    control: list[float] = field(default_factory=list)
+
+
+class Tuner:
+    def __init__(self, knobs: TunerKnobs, initial: Setting | None = None, enabled: bool = True) -> None:
+        self.knobs, self.enabled = knobs, enabled
+        self.current = initial or Setting(None, "nr", knobs.interval)
+        self.version = 1
+        self.trial: Trial | None = None
+        self.cooldown: dict[Setting, int] = {}
+        self.window_index = 0
+        self.pending: list[Window] = []
+        self.history: dict[str, list[float]] = {}  # per replica, TTFT of recent windows on the current setting
+        self.decisions: list[dict] = []
+        self.replicas: set[str] = set()
+
+    # ------------------------------------------------------------------ replicas
+    def assignment(self, replica: str) -> tuple[int, Setting]:
+        self.replicas.add(replica)
+        if self.trial is not None and self.trial.replica == replica:
+            return self.version, self.trial.setting
+        return self.version, self.current
+
+    def report(self, window: Window) -> None:
+        self.replicas.add(window.replica)
+        if window.version == self.version:  # stale windows (from before the last change) are ignored
+            self.pending.append(window)
+
+    # ------------------------------------------------------------------ decisions
+    def tick(self) -> str | None:
+        """Close the current window and decide; returns what was decided, if anything."""
+        windows, self.pending = self.pending, []
+        self.window_index += 1
+        if not self.enabled:
+            return None
+        usable = [w for w in windows if w.requests >= self.knobs.min_requests and w.ttft_mean_s is not None]
+        if self.trial is not None:
+            return self._judge(usable)
+        for w in usable:
+            self.history.setdefault(w.replica, []).append(w.ttft_mean_s)
+            self.history[w.replica] = self.history[w.replica][-self.knobs.trial_windows:]
+        if any(w.evictions > 0 or w.occupancy >= self.knobs.pressure_occupancy for w in windows):
+            return self._start_trial()
+        return None
+
+    def _start_trial(self) -> str | None:
+        nxt = self._next_rung()
+        if nxt is None or not self.replicas:
+            return None
+        self.trial = Trial(nxt, sorted(self.replicas)[0])
+        self.version += 1
+        return self._log("trial", nxt)
+
+    def _next_rung(self) -> Setting | None:
+        ladder = self.knobs.ladder()
+        start = ladder.index(self.current) + 1 if self.current in ladder else 0
+        for rung in ladder[start:]:
+            if self.cooldown.get(rung, -1) < self.window_index:
+                return rung
+        return None
+
+    def _judge(self, usable: list[Window]) -> str | None:
+        t = self.trial
+        for w in usable:
+            (t.ttft if w.replica == t.replica else t.control).append(w.ttft_mean_s)
+        if len(t.ttft) < self.knobs.trial_windows:
+            return None
+        control = t.control or self.history.get(t.replica, [])
+        self.trial = None
+        self.version += 1
+        if control and statistics.fmean(t.ttft) < statistics.fmean(control) * (1 - self.knobs.hysteresis):
+            self.current = t.setting
+            self.history = {}
+            return self._log("promote", t.setting, trial_ttft=statistics.fmean(t.ttft),
+                             control_ttft=statistics.fmean(control))
+        self.cooldown[t.setting] = self.window_index + self.knobs.cooldown_windows
+        return self._log("reject", t.setting, trial_ttft=statistics.fmean(t.ttft),
+                         control_ttft=statistics.fmean(control) if control else None)
+
+    def _log(self, kind: str, setting: Setting, **extra) -> str:
+        self.decisions.append({"window": self.window_index, "decision": kind, "setting": asdict(setting), **extra})
+        return f"{kind} {setting.label}"
+
+    def state(self) -> dict:
+        rungs = self.knobs.ladder()
+        return {
+            "version": self.version, "window": self.window_index, "enabled": self.enabled,
+            "current": asdict(self.current), "current_label": self.current.label,
+            "current_rung": rungs.index(self.current) if self.current in rungs else -1,
+            "trial": None if self.trial is None else {"setting": asdict(self.trial.setting), "replica": self.trial.replica},
+            "trial_running": self.trial is not None, "decisions": self.decisions[-20:],
+            "ladder": [r.label for r in rungs],
+        }

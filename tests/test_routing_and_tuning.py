@@ -1,0 +1,118 @@
+"""Pure routing decisions and the tuning controller's algorithm, driven by scripted inputs."""
+
+from __future__ import annotations
+
+import random
+
+from app.cache.digest import block_hashes, matched_blocks, tree_digest
+from app.cache.radix import RadixTree
+from deployments.routing_policy import Candidate, RouterKnobs, rank
+from deployments.tuner import Setting, Tuner, TunerKnobs, Window
+
+import torch
+
+KNOBS = RouterKnobs(block_size=4, min_match_tokens=8, max_queue_gap=2, max_ratio=1.4, share_window=20)
+
+
+def test_block_hashes_chain_and_digest_of_checkpoints():
+    a = block_hashes(list(range(12)), 4)
+    b = block_hashes(list(range(8)) + [99, 9, 10, 11], 4)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert matched_blocks(b, set(a)) == 2
+    tree = RadixTree()
+    res = tree.insert(list(range(10)), torch.arange(10))
+    tree.set_checkpoint(res.node, 1)
+    assert set(tree_digest(tree, 4)) == set(block_hashes(list(range(10)), 4))
+
+
+def test_rank_prefers_the_replica_holding_the_prefix():
+    chain = block_hashes(list(range(40)), 4)
+    cands = [Candidate("a", 0, frozenset(), 0), Candidate("b", 1, frozenset(chain[:6]), 0)]
+    assert rank(cands, chain, KNOBS)[0] == ["b"]
+
+
+def test_rank_falls_back_to_least_loaded_without_a_useful_match():
+    chain = block_hashes(list(range(40)), 4)
+    cands = [Candidate("a", 3, frozenset(chain[:1]), 0), Candidate("b", 1, frozenset(), 0)]
+    assert rank(cands, chain, KNOBS) == [["b"], ["a"]]  # 4 matched tokens < min_match_tokens
+
+
+def test_rank_skips_an_overloaded_holder():
+    chain = block_hashes(list(range(40)), 4)
+    cands = [Candidate("a", 0, frozenset(), 0), Candidate("b", 5, frozenset(chain), 0)]
+    assert rank(cands, chain, KNOBS)[0] == ["a"]  # queue gap 5 > max_queue_gap 2
+
+
+def test_skewed_traffic_stays_within_ratio():
+    """90% of requests share one prefix; sequential arrivals (queues always empty)."""
+    rng = random.Random(0)
+    hot = block_hashes(list(range(64)), 4)
+    known = {"a": set(), "b": set()}
+    recent: list[str] = []
+    counts = {"a": 0, "b": 0}
+    for i in range(400):
+        chain = hot if rng.random() < 0.9 else block_hashes([1000 + i] * 64, 4)
+        window = recent[-KNOBS.share_window:]
+        cands = [Candidate(r, 0, frozenset(known[r]), window.count(r)) for r in ("a", "b")]
+        chosen = rank(cands, chain, KNOBS)[0][0]
+        known[chosen].update(chain)
+        recent.append(chosen)
+        counts[chosen] += 1
+    assert max(counts.values()) <= 1.5 * min(counts.values()), counts
+
+
+def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):
+    return Window(replica, version, requests, ttft, 0.5, occupancy, evictions)
+
+
+def test_tuner_trials_under_pressure_and_promotes_a_winner():
+    t = Tuner(TunerKnobs(max_w_nr=64, max_w_wr=512, trial_windows=2, hysteresis=0.05))
+    v, s = t.assignment("r0")
+    t.assignment("r1")
+    assert s == Setting(None) and v == 1
+    t.report(_window("r0", 1, 0.20))
+    t.report(_window("r1", 1, 0.20))
+    assert t.tick() == "trial nr-W16"
+    v, trial = t.assignment("r0")
+    assert v == 2 and trial == Setting(16, "nr") and t.assignment("r1")[1] == Setting(None)
+    for _ in range(2):
+        t.report(_window("r0", 2, 0.10))
+        t.report(_window("r1", 2, 0.20))
+        decision = t.tick()
+    assert decision == "promote nr-W16"
+    assert t.assignment("r1") == (3, Setting(16, "nr"))
+    t.report(_window("r0", 3, 0.10))  # still under pressure: climb to the next rung
+    assert t.tick() == "trial nr-W64"
+
+
+def test_tuner_rejects_a_loser_with_cooldown_and_ignores_stale_windows():
+    t = Tuner(TunerKnobs(trial_windows=2, cooldown_windows=3))
+    t.assignment("r0"), t.assignment("r1")
+    t.report(_window("r0", 1, 0.2))
+    assert t.tick() == "trial nr-W16"
+    t.report(_window("r0", 1, 0.01))  # stale version: ignored
+    for _ in range(2):
+        t.report(_window("r0", 2, 0.21))
+        t.report(_window("r1", 2, 0.20))
+        decision = t.tick()
+    assert decision == "reject nr-W16" and t.current == Setting(None)
+    t.report(_window("r0", 3, 0.2))
+    assert t.tick() == "trial nr-W64"  # W16 cools down, the next rung is tried
+
+
+def test_tuner_respects_operator_caps_and_needs_pressure():
+    knobs = TunerKnobs(max_w_nr=16, max_w_wr=128)
+    assert [s.label for s in knobs.ladder()] == ["dense", "nr-W16", "wr-W64", "wr-W128"]
+    t = Tuner(knobs)
+    t.assignment("r0")
+    t.report(_window("r0", 1, 0.2, evictions=0, occupancy=0.1))
+    assert t.tick() is None and t.trial is None
+
+
+def test_single_replica_compares_with_its_own_history():
+    t = Tuner(TunerKnobs(trial_windows=1))
+    t.assignment("r0")
+    t.report(_window("r0", 1, 0.30))
+    assert t.tick() == "trial nr-W16"
+    t.report(_window("r0", 2, 0.10))
+    assert t.tick() == "promote nr-W16"
