@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast serve clean
+.PHONY: install test test-fast serve loadtest clean
+
+HOST ?= http://127.0.0.1:8000
+LOADTEST_TIME ?= 60s
+LOADTEST_USERS ?= 6
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,6 +22,16 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow"
+
+# Install if needed, then serve the shipped default model (configs/config.yaml) on 127.0.0.1:8000.
+serve: $(STAMP)
+	RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 $(BIN)/serve run configs/config.yaml
+
+# Against a running server: all three locust workloads, headless, bounded in time; CSVs in loadtest/results.
+loadtest: $(STAMP)
+	mkdir -p loadtest/results
+	$(BIN)/locust -f loadtest/locustfile.py --headless -u $(LOADTEST_USERS) -r 2 --run-time $(LOADTEST_TIME) \
+		--host $(HOST) --csv loadtest/results/locust --only-summary
 
 clean:
 	rm -rf $(VENV) build *.egg-info

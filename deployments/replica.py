@@ -52,7 +52,7 @@ class EngineReplica:
             if first:
                 self._ttfts.append(time.perf_counter() - start)
                 first = False
-            yield dataclasses.asdict(out)
+            yield {**dataclasses.asdict(out), "replica": self.replica_id}
         self._requests += 1
 
     async def record_routing_stats(self) -> dict:

@@ -120,7 +120,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
             prompt_t += per_seq[0].prompt_tokens
             cached += per_seq[0].cached_tokens
         return {"id": rid, "object": "text_completion", "created": now(), "model": settings.model_name,
-                "choices": choices, "usage": usage(prompt_t, comp_t, cached)}
+                "system_fingerprint": _fingerprint(outs[0][0]), "choices": choices,
+                "usage": usage(prompt_t, comp_t, cached)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
@@ -136,10 +137,15 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
                     "finish_reason": o.finish_reason} for o in outs]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
-                "choices": choices,
+                "system_fingerprint": _fingerprint(outs[0]), "choices": choices,
                 "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens)}
 
     return app
+
+
+def _fingerprint(out: RequestOutput) -> str:
+    """`system_fingerprint` names the engine replica that served the request ("dasc-<replica>")."""
+    return f"dasc-{out.replica or 'local'}"
 
 
 def _error(exc: ApiError) -> JSONResponse:

@@ -115,3 +115,4 @@ class RequestOutput:
     cached_tokens: int
     output_ids: list[int]
     ttft_s: float | None
+    replica: str | None = None  # set by a Serve replica: which one served it

@@ -1,0 +1,61 @@
+"""Router benchmark: `python -m loadtest.bench_router [--out docs/benchmarks.md]`.
+
+One run, same workload and seed, three request routers in front of 2 replicas of kda-tiny (dense checkpoints,
+controller off): ours (prefix-aware, digests of held checkpoints), Ray's default power-of-two choices, and
+Ray's PrefixCacheAffinityRouter (text-prefix tree). Workload: a warm-up pass, then the timed pass over the
+same prefix groups in a new order; each request asks for one token (latency = TTFT). Reported: token-weighted
+hit rate, mean and p90 TTFT, requests per replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from loadtest.common import header, save, table
+from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
+
+KINDS = ("prefix", "pow2", "prefix_affinity")
+
+
+def run(kind: str, args) -> dict:
+    app = {"model": args.model, "replicas": 2, "replica_cpus": 0.5,
+           "engine": {"checkpoint_budget_mb": args.budget_mb},
+           "router": {"kind": kind, "stats_period_s": 1.0}, "controller": {"enabled": False}}
+    warm = prefix_prompts(args.groups, args.per_group, args.seed)
+    timed = prefix_prompts(args.groups, args.per_group, args.seed)[::-1]
+    with serve_app(app) as url:
+        drive(url, warm, args.concurrency, args.model)
+        time.sleep(2.5)  # digests refresh
+        t0 = time.perf_counter()
+        results = drive(url, timed, args.concurrency, args.model)
+        row = {"router": kind, **summarise(results, time.perf_counter() - t0)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kda-tiny")
+    p.add_argument("--groups", type=int, default=12)
+    p.add_argument("--per-group", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--budget-mb", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = [run(kind, args) for kind in KINDS]
+    md = header("Router: prefix-aware vs Ray's routers (2 replicas)", vars(args))
+    md += "\n" + table(["router", "requests", "failed", "hit rate", "TTFT mean ms", "TTFT p90 ms", "per replica"],
+                       [[r["router"], r["requests"], r["failed"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"],
+                         "/".join(map(str, r["requests_per_replica"]))] for r in rows])
+    print(md)
+    save("bench_router", {"config": vars(args), "rows": rows})
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + md + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Locust users for dasc-serve (OpenAI API): `make loadtest` runs them headless against a running server.
+
+Three workloads, each a user class (pick with `locust ... FewShotUser` or run all):
+- FewShotUser: completions whose prompts share one of a few long few-shot headers, then a new question.
+- ChatUser: multi-turn chat whose history grows turn by turn (each turn re-sends the whole history).
+- ReuseDistanceUser: the paper's six-phase reuse-distance replay (C.2): phases whose working sets shrink
+  (80, 36, 16, 8, 4 and 1 distinct prefixes), each walked in a seeded shuffled order, one output token.
+Every user is bounded by locust's --run-time; prompts are deterministic text (no tokenizer needed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from locust import HttpUser, between, task
+
+MODEL = os.environ.get("DASC_MODEL", "kda-tiny")
+HEADERS = {"Authorization": f"Bearer {os.environ.get('DASC_API_KEY', 'none')}"}
+PHASES = (80, 36, 16, 8, 4, 1)
+
+
+def text_block(seed: int, lines: int) -> str:
+    rng = random.Random(seed)
+    names = ("total", "count", "items", "value", "path", "config", "result", "index")
+    return "\n".join(f"{rng.choice(names)}_{seed}_{i} = {rng.randint(0, 9999)}" for i in range(lines))
+
+
+FEW_SHOT_HEADERS = [text_block(1000 + h, 60) + "\n# Q: what is the next value?\n" for h in range(4)]
+
+
+class _ApiUser(HttpUser):
+    abstract = True
+    wait_time = between(0.05, 0.3)
+
+    def complete(self, prompt: str, max_tokens: int, name: str) -> None:
+        with self.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "temperature": 0}, headers=HEADERS, name=name,
+                              catch_response=True) as r:
+            if r.status_code != 200 or "choices" not in r.json():
+                r.failure(f"{r.status_code}: {r.text[:200]}")
+
+
+class FewShotUser(_ApiUser):
+    @task
+    def ask(self) -> None:
+        header = random.choice(FEW_SHOT_HEADERS)
+        self.complete(header + text_block(random.randrange(10**6), 3), 8, "few-shot")
+
+
+class ChatUser(_ApiUser):
+    max_turns = 6
+
+    def on_start(self) -> None:
+        self.history: list[dict] = []
+
+    @task
+    def turn(self) -> None:
+        if len(self.history) >= 2 * self.max_turns:
+            self.history = []
+        self.history.append({"role": "user", "content": text_block(random.randrange(10**6), 4)})
+        with self.client.post("/v1/chat/completions", json={"model": MODEL, "messages": self.history,
+                                                            "max_tokens": 12, "temperature": 0},
+                              headers=HEADERS, name="chat", catch_response=True) as r:
+            if r.status_code != 200:
+                r.failure(f"{r.status_code}: {r.text[:200]}")
+                return
+            self.history.append(r.json()["choices"][0]["message"])
+
+
+class ReuseDistanceUser(_ApiUser):
+    def on_start(self) -> None:
+        self.rng = random.Random(42)
+        self.phase, self.queue = 0, []
+
+    @task
+    def replay(self) -> None:
+        if not self.queue:
+            size = PHASES[self.phase % len(PHASES)]
+            self.queue = [text_block(5000 + 100 * self.phase + i, 40) for i in range(size)] * 2
+            self.rng.shuffle(self.queue)
+            self.phase += 1
+        self.complete(self.queue.pop(), 1, f"reuse-phase-{PHASES[(self.phase - 1) % len(PHASES)]}")
