@@ -35,7 +35,9 @@ def _generate(args: argparse.Namespace) -> int:
         if not prompts:
             raise ValueError("give --prompt (repeatable) or --prompt-file")
         cfg = EngineConfig(interval=args.interval, admission=args.admission, eviction=args.eviction,
-                           checkpoint_budget_mb=args.checkpoint_budget_mb, enable_cache=not args.no_cache)
+                           checkpoint_budget_mb=args.checkpoint_budget_mb, enable_cache=not args.no_cache,
+                           w_max=args.w_max, policy=args.policy, quant=args.quant, layout=args.layout,
+                           selector=args.selector)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
@@ -81,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--eviction", choices=["lru", "flop_aware"], default="lru")
     cache.add_argument("--checkpoint-budget-mb", type=float, default=64.0)
     cache.add_argument("--no-cache", action="store_true", help="cold runs: no lookups, no checkpoints")
+    dasc = g.add_argument_group("dasc checkpoint compression")
+    dasc.add_argument("--w-max", type=float, default=None, help="keep units with horizon > W_max (0: all); "
+                      "omitted: dense checkpoints")
+    dasc.add_argument("--policy", choices=["nr", "wr"], default="nr", help="zero-fill or refresh omitted units")
+    dasc.add_argument("--quant", choices=["none", "int8"], default="none")
+    dasc.add_argument("--layout", choices=["ragged", "padded"], default="ragged")
+    dasc.add_argument("--selector", default="decay", help="decay | random:<seed> (count-matched baseline)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.set_defaults(func=_generate)
     return parser
