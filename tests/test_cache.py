@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.cache.checkpoint import CheckpointPool, DenseCodec
+from app.cache.checkpoint import CheckpointPool, DenseCodec, physical_slots
 from app.cache.policy import FlopAwareSelect, lru_select
-from app.cache.pools import KVPool
+from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
 from app.cache.radix import RadixTree
 from app.models.batch import LinearStates
@@ -19,9 +19,26 @@ def _state(value: float) -> LinearStates:
     return LinearStates([torch.full((1, 3, 2), value)], [torch.full((1, 1, 2, 2), value)])
 
 
+class _Store:
+    """A dense codec standing in for a worker's checkpoint storage."""
+
+    def __init__(self, slots: int) -> None:
+        self.codec = DenseCodec(_state(0.0))
+        self.codec.allocate(slots + 1)
+
+    def write(self, state: LinearStates):
+        return lambda slot: self.codec.store(slot, state)
+
+
 def _cache(kv_slots=32, ckpt_slots=2, select=lru_select, admission="always") -> PrefixCache:
-    return PrefixCache(KVPool({0: 4}, kv_slots, torch.float32),
-                       CheckpointPool(DenseCodec(_state(0.0)), num_slots=ckpt_slots), admission, select)
+    codec = DenseCodec(_state(0.0))
+    cache = PrefixCache(KVSlots(kv_slots), CheckpointPool(codec.bytes_per_slot, ckpt_slots + 1), admission, select)
+    cache.store = _Store(ckpt_slots)
+    return cache
+
+
+def _store(cache: PrefixCache, node, state: LinearStates) -> bool:
+    return cache.store_checkpoint(node, cache.store.write(state), "prompt_end")
 
 
 def _slots(cache: PrefixCache, n: int) -> torch.Tensor:
@@ -70,19 +87,19 @@ def test_checkpoint_eviction_lru_refreshes_only_the_used_node():
     cache = _cache(ckpt_slots=2)
     a = cache.insert([1, 2], _slots(cache, 2))
     b = cache.insert([1, 2, 3, 4], _slots(cache, 4))
-    assert cache.store_checkpoint(a.node, _state(1.0), "prompt_end")
-    assert cache.store_checkpoint(b.node, _state(2.0), "prompt_end")
+    assert _store(cache, a.node, _state(1.0))
+    assert _store(cache, b.node, _state(2.0))
     assert [a.node.checkpoint, b.node.checkpoint] == [1, 2]
     m = cache.match([1, 2, 9])  # uses the checkpoint at depth 2, refreshes a only
     assert m.checkpoint_node is a.node
     c = cache.insert([5, 6], _slots(cache, 2))
-    assert cache.store_checkpoint(c.node, _state(3.0), "prompt_end")
+    assert _store(cache, c.node, _state(3.0))
     assert b.node.checkpoint is None and c.node.checkpoint == 2  # b evicted, its slot reused
     assert cache.match([1, 2, 3, 4]).kv_len == 4  # KV-only node remains
-    loaded = cache.load_checkpoint(a.node)
+    loaded = cache.store.codec.load(cache.load_checkpoint(a.node))
     assert torch.equal(loaded.ssm[0], _state(1.0).ssm[0])
     loaded.ssm[0].add_(5.0)  # copy-on-write: the stored checkpoint does not change
-    assert torch.equal(cache.load_checkpoint(a.node).ssm[0], _state(1.0).ssm[0])
+    assert torch.equal(cache.store.codec.load(cache.load_checkpoint(a.node)).ssm[0], _state(1.0).ssm[0])
     cache.check_integrity()
 
 
@@ -92,11 +109,11 @@ def test_checkpoint_eviction_flop_aware_prefers_cheap_prefixes():
     cache = _cache(ckpt_slots=2, select=select)
     long_ = cache.insert(list(range(10, 30)), _slots(cache, 20))
     short = cache.insert([1, 2], _slots(cache, 2))
-    cache.store_checkpoint(long_.node, _state(1.0), "prompt_end")
-    cache.store_checkpoint(short.node, _state(2.0), "prompt_end")
+    _store(cache, long_.node, _state(1.0))
+    _store(cache, short.node, _state(2.0))
     cache.match(list(range(10, 30)))  # recency favours nothing here: alpha = 0
     new = cache.insert([3, 4, 5], _slots(cache, 3))
-    cache.store_checkpoint(new.node, _state(3.0), "prompt_end")
+    _store(cache, new.node, _state(3.0))
     assert short.node.checkpoint is None and long_.node.checkpoint is not None  # 2 tokens save least
     cache.check_integrity()
 
@@ -104,10 +121,10 @@ def test_checkpoint_eviction_flop_aware_prefers_cheap_prefixes():
 def test_full_pool_with_locked_checkpoints_skips_the_store():
     cache = _cache(ckpt_slots=1)
     a = cache.insert([1, 2], _slots(cache, 2))
-    cache.store_checkpoint(a.node, _state(1.0), "prompt_end")
+    _store(cache, a.node, _state(1.0))
     cache.lock(a.node)
     b = cache.insert([3, 4], _slots(cache, 2))
-    assert not cache.store_checkpoint(b.node, _state(2.0), "prompt_end")
+    assert not _store(cache, b.node, _state(2.0))
     assert cache.counters.skipped_stores == 1 and cache.checkpoints.num_used == 1
     cache.unlock(a.node)
     cache.check_integrity()
@@ -123,8 +140,9 @@ def test_second_hit_admission():
 def test_budget_sizing_follows_eq8():
     codec = DenseCodec(_state(0.0))
     assert codec.bytes_per_slot == (3 * 2 + 2 * 2) * 4
-    pool = CheckpointPool(codec, budget_bytes=10 * codec.bytes_per_slot + 5)
-    assert pool.num_slots == 9 and pool.allocated_bytes <= 10 * codec.bytes_per_slot + 5
+    budget = 10 * codec.bytes_per_slot + 5
+    pool = CheckpointPool(codec.bytes_per_slot, physical_slots(codec.bytes_per_slot, budget_bytes=budget))
+    assert pool.num_slots == 9 and pool.allocated_bytes <= budget
 
 
 ops = st.lists(
@@ -158,7 +176,7 @@ def test_random_operations_keep_the_cache_consistent(sequence):
         elif op == "store":
             m = cache.match(tokens)
             if m.kv_len:
-                cache.store_checkpoint(cache.tree.split_at(tokens, m.kv_len), _state(float(len(tokens))), "x")
+                _store(cache, cache.tree.split_at(tokens, m.kv_len), _state(float(len(tokens))))
         elif op == "alloc":
             slots = cache.alloc_kv(len(tokens))
             if slots is not None:

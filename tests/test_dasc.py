@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.cache.checkpoint import CheckpointPool, DenseCodec
+from tests.helpers import load_zoo, record_logits
+from app.cache.checkpoint import CheckpointPool, DenseCodec, physical_slots
 from app.dasc.codec import DascCodec, retained_rows
 from app.dasc.horizons import EPS, STATIC_A, model_geometry, model_horizons
 from app.dasc.layout import slot_bytes, slots_for_budget
@@ -173,7 +174,9 @@ def test_slots_for_budget_is_eq8_and_pools_fit_their_budget():
             per_slot = DascCodec(template, plan, "ragged", quant).bytes_per_slot
             for budget in (0, per_slot - 1, per_slot, 2 * per_slot, 7 * per_slot + per_slot // 2):
                 codec = DascCodec(template, plan, "ragged", quant)
-                pool = CheckpointPool(codec, budget_bytes=budget)
+                physical = physical_slots(codec.bytes_per_slot, budget_bytes=budget)
+                codec.allocate(physical)  # what a worker allocates for the pool
+                pool = CheckpointPool(codec.bytes_per_slot, physical)
                 assert pool.num_slots == slots_for_budget(budget, per_slot)
                 assert _tensor_bytes(codec) <= budget and pool.allocated_bytes <= budget
                 assert codec.allocated_bytes_per_slot == per_slot  # measured, even with no slot allocated
@@ -200,22 +203,7 @@ def test_w_max_0_codec_is_bit_identical_to_dense(geometry, layout):
 
 @pytest.fixture(scope="module", params=["kda-tiny", "gdn-tiny"])
 def zoo(request):
-    d = ZOO_DIR / request.param
-    return load_model(d), Tokenizer.from_dir(d)
-
-
-def _record_logits(engine: Engine) -> dict:
-    seen, run = {}, engine.runner.run
-
-    def recording(works):
-        logits = run(works)
-        for w in works:
-            if id(w.seq) in logits:
-                seen[(w.seq.request_id, w.seq.index, w.end)] = logits[id(w.seq)].clone()
-        return logits
-
-    engine.runner.run = recording
-    return seen
+    return load_zoo(request.param)
 
 
 def _serve(engine: Engine, prompts: list[list[int]]) -> list:
@@ -232,7 +220,7 @@ def test_w_max_0_engines_equal_dense_engine(zoo):
                "nr": Engine(model, tok, EngineConfig(**cfg, w_max=0)),
                "wr": Engine(model, tok, EngineConfig(**cfg, w_max=0, policy="wr"))}
     assert isinstance(engines["nr"].codec, DascCodec) and isinstance(engines["dense"].codec, DenseCodec)
-    logits = {k: _record_logits(e) for k, e in engines.items()}
+    logits = {k: record_logits(e) for k, e in engines.items()}
     outs = {k: _serve(e, prompts) for k, e in engines.items()}
     for k in ("nr", "wr"):
         assert [o.output_ids for o in outs[k]] == [o.output_ids for o in outs["dense"]], k

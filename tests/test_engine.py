@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from tests.helpers import load_zoo, record_logits
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
@@ -27,9 +28,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=["kda-tiny", "gdn-tiny"])
 def zoo(request):
-    torch.set_num_threads(2)
-    d = ZOO_DIR / request.param
-    return load_model(d), Tokenizer.from_dir(d)
+    return load_zoo(request.param)
 
 
 def _prompts(tok: Tokenizer, n: int = 20, seed: int = 0) -> list[list[int]]:
@@ -46,27 +45,12 @@ def _prompts(tok: Tokenizer, n: int = 20, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def _record_logits(engine: Engine) -> dict:
-    """Wrap the runner so every next-token logit vector is kept, keyed by (request, seq, position)."""
-    seen, run = {}, engine.runner.run
-
-    def recording(works):
-        logits = run(works)
-        for w in works:
-            if id(w.seq) in logits:
-                seen[(w.seq.request_id, w.seq.index, w.end)] = logits[id(w.seq)].clone()
-        return logits
-
-    engine.runner.run = recording
-    return seen
-
-
 def test_cache_hits_equal_cold_runs(zoo):
     model, tok = zoo
     prompts = _prompts(tok)
     cold = Engine(model, tok, EngineConfig(enable_cache=False))
     hot = Engine(model, tok, EngineConfig(interval=32, chunk_size=48, checkpoint_slots=64))
-    cold_logits, hot_logits = _record_logits(cold), _record_logits(hot)
+    cold_logits, hot_logits = record_logits(cold), record_logits(hot)
     cached = []
     for i, p in enumerate(prompts):  # one at a time: each later prompt can hit what earlier ones stored
         want = cold.generate([p], GREEDY)[0][0]

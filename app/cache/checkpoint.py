@@ -1,9 +1,10 @@
-"""Checkpoint pool: immutable recurrent-state checkpoints in a byte budget, behind a `CheckpointCodec`.
+"""Checkpoint pool: how many immutable recurrent-state checkpoints fit a byte budget, and which slots are
+free; the `CheckpointCodec` interface of how one is stored (dense here, dasc in app/dasc).
 
-The codec decides how a state is stored (dense here; dasc plugs in compressed layouts); the pool decides
-how many fit: physical slots = floor(budget / bytes_per_slot), and slot 0 is reserved as in the paper's
-Eq. 8, so usable slots = physical - 1. Invariant: never more checkpoints than usable slots, and the
-allocated bytes never exceed the budget.
+The pool is bookkeeping only (the scheduler's side); each worker's codec holds the tensors for the same
+slot ids. physical slots = floor(budget / bytes_per_slot), and slot 0 is reserved as in the paper's Eq. 8,
+so usable slots = physical - 1. Invariant: never more checkpoints than usable slots, and the allocated
+bytes (physical * bytes_per_slot) never exceed the budget.
 """
 
 from __future__ import annotations
@@ -64,16 +65,18 @@ class DenseCodec(CheckpointCodec):
                             [s[slot : slot + 1].clone() for s in self.ssm])
 
 
+def physical_slots(bytes_per_slot: int, budget_bytes: int | None = None, num_slots: int | None = None) -> int:
+    """Slots to allocate: floor(budget / bytes) by budget (Eq. 8), or `num_slots` usable + the reserved one."""
+    if (budget_bytes is None) == (num_slots is None):
+        raise ValueError("give exactly one of budget_bytes and num_slots")
+    return budget_bytes // bytes_per_slot if budget_bytes is not None else num_slots + 1
+
+
 class CheckpointPool:
-    def __init__(self, codec: CheckpointCodec, budget_bytes: int | None = None, num_slots: int | None = None):
-        """Size by `budget_bytes` (Eq. 8) or directly by usable `num_slots`."""
-        if (budget_bytes is None) == (num_slots is None):
-            raise ValueError("give exactly one of budget_bytes and num_slots")
-        physical = budget_bytes // codec.bytes_per_slot if budget_bytes is not None else num_slots + 1
-        self.codec = codec
+    def __init__(self, bytes_per_slot: int, physical: int) -> None:
+        self.bytes_per_slot = bytes_per_slot
         self.num_slots = max(physical - 1, 0)
-        codec.allocate(physical)  # a budget below one slot allocates nothing (and the pool stores nothing)
-        self.allocated_bytes = physical * codec.bytes_per_slot
+        self.allocated_bytes = physical * bytes_per_slot
         self.allocator = SlotAllocator(self.num_slots, first=1)
 
     @property

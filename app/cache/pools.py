@@ -1,7 +1,9 @@
-"""Fixed-size pools: attention KV slots (one token per slot) and active recurrent-state slots.
+"""Slot allocators and the storage behind them: attention KV (one token per slot) and active states.
 
-KV uses one slot per token (a page size of one, as SGLang's radix cache does), so prefix sharing never
-splits a page. Slot ids are handed out lowest first, which keeps tests deterministic.
+Allocation (which ids are free) lives with the scheduler and the cache; storage (the tensors) lives with
+the worker of each tensor-parallel rank, which may hold only its heads. KV uses one slot per token (a page
+size of one, as SGLang's radix cache does), so prefix sharing never splits a page. Slot ids are handed out
+lowest first, which keeps tests deterministic.
 """
 
 from __future__ import annotations
@@ -34,31 +36,33 @@ class SlotAllocator:
         for i in ids:
             heapq.heappush(self._free, int(i))
 
+    def free_ids(self) -> list[int]:
+        return list(self._free)
 
-class KVPool:
+
+class KVSlots(SlotAllocator):
+    """KV token slots as int64 tensors."""
+
+    def alloc_tensor(self, n: int) -> torch.Tensor | None:
+        ids = self.alloc(n)
+        return None if ids is None else torch.tensor(ids, dtype=torch.long)
+
+    def free_tensor(self, slots: torch.Tensor) -> None:
+        self.free(slots.tolist())
+
+
+class KVStorage:
     """Per attention layer a tensor [num_slots, W_layer] of per-token KV entries."""
 
     def __init__(self, widths: dict[int, int], num_slots: int, dtype: torch.dtype) -> None:
         self.storage = {layer: torch.zeros(num_slots, w, dtype=dtype) for layer, w in widths.items()}
-        self.allocator = SlotAllocator(num_slots)
         self.bytes_per_token = sum(w for w in widths.values()) * torch.tensor([], dtype=dtype).element_size()
-
-    @property
-    def num_free(self) -> int:
-        return self.allocator.num_free
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        ids = self.allocator.alloc(n)
-        return None if ids is None else torch.tensor(ids, dtype=torch.long)
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots.tolist())
 
 
 class PagedKV:
     """`AttentionKV` for one step: batch sequence i reads slots `history[i]` and writes `new[i]`."""
 
-    def __init__(self, pool: KVPool, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+    def __init__(self, pool: KVStorage, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
         self.pool, self.history, self.new = pool, history, new
         self._padded_index: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -77,24 +81,16 @@ class PagedKV:
         return store[self._padded_index[key]]
 
 
-class StatePool:
+class StateStorage:
     """Recurrent state of running sequences: per linear layer conv [S, C, W-1] and ssm [S, H, K, V] fp32."""
 
     def __init__(self, template: LinearStates, num_slots: int) -> None:
         self.conv = [torch.zeros(num_slots, *c.shape[1:], dtype=c.dtype) for c in template.conv]
         self.ssm = [torch.zeros(num_slots, *s.shape[1:], dtype=s.dtype) for s in template.ssm]
-        self.allocator = SlotAllocator(num_slots)
 
-    @property
-    def num_free(self) -> int:
-        return self.allocator.num_free
-
-    def alloc(self) -> int | None:
-        ids = self.allocator.alloc(1)
-        return None if ids is None else ids[0]
-
-    def free(self, slot: int) -> None:
-        self.allocator.free([slot])
+    def template(self) -> LinearStates:
+        """Zero state of one sequence, shaped like the stored ones."""
+        return LinearStates([torch.zeros_like(c[:1]) for c in self.conv], [torch.zeros_like(s[:1]) for s in self.ssm])
 
     def gather(self, slots: list[int]) -> LinearStates:
         idx = torch.tensor(slots, dtype=torch.long)

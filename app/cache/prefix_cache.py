@@ -1,7 +1,9 @@
 """The hybrid prefix cache: radix tree + KV slot pool + checkpoint pool + admission and eviction.
 
 The engine talks to this class only, through a few verbs: `match`, `insert`, `lock`/`unlock`,
-`alloc_kv`/`free_kv`, `store_checkpoint`/`load_checkpoint`, `check_integrity`. KV slots are owned either
+`alloc_kv`/`free_kv`, `store_checkpoint`/`load_checkpoint`, `check_integrity`. It does the bookkeeping
+(which slot holds what); the bytes move in the workers, through the `write` callback of a store and the
+slot id a load returns. KV slots are owned either
 by the tree or by one running request (its private, not yet inserted tokens); `check_integrity(private)`
 verifies that every slot is owned exactly once or free. A full KV pool evicts unlocked tree leaves; a full
 checkpoint pool evicts a checkpoint by policy; when nothing is evictable the caller waits or preempts,
@@ -14,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import Callable
+
 from app.cache.checkpoint import CheckpointPool
 from app.cache.policy import SecondHitFilter, lru_select
-from app.cache.pools import KVPool
+from app.cache.pools import KVSlots
 from app.cache.radix import InsertResult, MatchResult, Node, RadixTree
-from app.models.batch import LinearStates
 
 
 @dataclass
@@ -32,7 +35,7 @@ class CacheCounters:
 
 
 class PrefixCache:
-    def __init__(self, kv: KVPool, checkpoints: CheckpointPool, admission: str = "always", select=lru_select):
+    def __init__(self, kv: KVSlots, checkpoints: CheckpointPool, admission: str = "always", select=lru_select):
         self.tree = RadixTree()
         self.kv = kv
         self.checkpoints = checkpoints
@@ -56,7 +59,7 @@ class PrefixCache:
         res = self.tree.insert(tokens, slots)
         dup = res.duplicates[res.duplicates != res.slots[: len(res.duplicates)]]
         if len(dup):
-            self.kv.free(dup)
+            self.kv.free_tensor(dup)
         return res
 
     def admit_prompt_end(self, tokens: list[int]) -> bool:
@@ -69,20 +72,20 @@ class PrefixCache:
         """n free KV slots, evicting unlocked tree leaves (LRU) if needed; None if even that is not enough."""
         if n > self.kv.num_free:
             freed, ckpts = self.tree.evict_kv(n - self.kv.num_free)
-            self.kv.free(freed)
+            self.kv.free_tensor(freed)
             self.counters.kv_evicted_tokens += len(freed)
             for slot in ckpts:
                 self.checkpoints.free(slot)
                 self.counters.checkpoint_evictions += 1
-        return self.kv.alloc(n)
+        return self.kv.alloc_tensor(n)
 
     def free_kv(self, slots: torch.Tensor) -> None:
-        self.kv.free(slots)
+        self.kv.free_tensor(slots)
 
     # ------------------------------------------------------------------ checkpoints
-    def store_checkpoint(self, node: Node, state: LinearStates, kind: str) -> bool:
-        """Store `state` (batch 1) as the checkpoint at `node`'s end. Evicts by policy when the pool is
-        full; returns False (and stores nothing) when no slot can be freed."""
+    def store_checkpoint(self, node: Node, write: Callable[[int], None], kind: str) -> bool:
+        """Give `node` a checkpoint: pick a slot (evicting by policy when the pool is full) and call
+        `write(slot)` to fill it. Returns False (and stores nothing) when no slot can be freed."""
         if node.checkpoint is not None:
             self.tree.set_checkpoint(node, node.checkpoint)  # already there: refresh it
             return True
@@ -97,16 +100,17 @@ class PrefixCache:
                 return False
             self.counters.checkpoint_evictions += 1
             slot = freed
-        self.checkpoints.codec.store(slot, state)
+        write(slot)
         self.tree.set_checkpoint(node, slot)
         self.counters.stores += 1
         self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
         return True
 
-    def load_checkpoint(self, node: Node) -> LinearStates:
-        """A fresh copy of the checkpoint at `node` (copy-on-write: the stored one never changes)."""
+    def load_checkpoint(self, node: Node) -> int:
+        """The slot of `node`'s checkpoint, for a worker to copy into a fresh active state (copy-on-write:
+        the stored one never changes)."""
         self.counters.loads += 1
-        return self.checkpoints.codec.load(node.checkpoint)
+        return node.checkpoint
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, private: list[torch.Tensor] = ()) -> None:
@@ -115,10 +119,10 @@ class PrefixCache:
         self.tree.check_integrity()
         owned = [n.kv for n in self.tree.nodes()] + list(private)
         ids = torch.cat(owned).tolist() if owned else []
-        free = list(self.kv.allocator._free)
+        free = self.kv.free_ids()
         assert len(ids) == len(set(ids)), "KV slot owned twice"
         assert not set(ids) & set(free), "KV slot both owned and free"
-        assert len(ids) + len(free) == self.kv.allocator.capacity, "KV slot leaked"
+        assert len(ids) + len(free) == self.kv.capacity, "KV slot leaked"
         ckpts = [n.checkpoint for n in self.tree.nodes() if n.checkpoint is not None]
         assert len(ckpts) == self.checkpoints.num_used <= self.checkpoints.num_slots, "checkpoint slots leaked"
-        assert not set(ckpts) & set(self.checkpoints.allocator._free), "checkpoint slot both used and free"
+        assert not set(ckpts) & set(self.checkpoints.allocator.free_ids()), "checkpoint slot both used and free"

@@ -15,17 +15,14 @@ from dataclasses import replace
 import torch
 
 from app.cache.checkpoint import CheckpointCodec, CheckpointPool, DenseCodec
-from app.dasc.codec import DascCodec
-from app.dasc.horizons import model_geometry, model_horizons
-from app.dasc.plan import make_plan
-from app.dasc.policy import local_rows, refresh_local_units
 from app.cache.policy import FlopAwareSelect, lru_select
-from app.cache.pools import KVPool, StatePool
+from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
-from app.engine.runner import ModelRunner, sample
-from app.engine.scheduler import Scheduler
+from app.engine.scheduler import Scheduler, Work
+from app.engine.worker import StepBatch, Worker
+from app.models.generate import sample_token
 from app.engine.telemetry import Telemetry
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer
@@ -33,36 +30,32 @@ from app.models.tokenizer import Tokenizer
 
 class Engine:
     def __init__(self, model: HybridForCausalLM, tokenizer: Tokenizer, cfg: EngineConfig = EngineConfig(),
-                 codec: CheckpointCodec | None = None) -> None:
+                 codec: CheckpointCodec | None = None, worker=None) -> None:
+        """`worker`: a `Worker` or a TP group with the same verbs; by default an in-process Worker."""
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
-        template = model.empty_states(1)
-        pool = self._checkpoint_pool(cfg, codec)
-        kv = KVPool(_kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
-        self.cache = PrefixCache(kv, pool, cfg.admission, self._select(cfg))
-        self.states = StatePool(template, cfg.max_running)
-        self.scheduler = Scheduler(cfg, self.cache, self.states)
-        self.runner = ModelRunner(model, kv, self.states)
+        self.worker = worker or Worker(model, cfg, codec)
+        self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg))
+        self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.telemetry = Telemetry()
         self.max_model_len = cfg.max_model_len or _model_len(model)
         self._ids = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}
 
-    def _checkpoint_pool(self, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> CheckpointPool:
-        """The codec the config asks for (dense, or dasc with a plan) and a pool of it within the budget."""
-        template = self.model.empty_states(1)
-        self.plan = None
-        if codec is None and cfg.w_max is not None:
-            self.plan = make_plan(model_geometry(self.model), model_horizons(self.model), cfg.w_max, cfg.selector)
-            codec = DascCodec(template, self.plan, cfg.layout, cfg.quant)
-        self.codec = codec or DenseCodec(template)
-        self._local_rows = local_rows(self.plan) if self.plan is not None and cfg.policy == "wr" else None
-        budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
-        return CheckpointPool(self.codec, budget_bytes=budget, num_slots=cfg.checkpoint_slots)
+    @property
+    def codec(self) -> CheckpointCodec:
+        return self.worker.codec
+
+    @property
+    def plan(self):
+        return self.worker.plan
+
+    def _pool(self) -> CheckpointPool:
+        return CheckpointPool(self.worker.codec.bytes_per_slot, self.worker.physical)
 
     def _select(self, cfg: EngineConfig):
         if cfg.eviction == "lru":
             return lru_select
-        return FlopAwareSelect(*_flops_per_token(self.model), self.codec.bytes_per_slot, cfg.flop_alpha)
+        return FlopAwareSelect(*_flops_per_token(self.model), self.worker.codec.bytes_per_slot, cfg.flop_alpha)
 
     def retune(self, **changes) -> None:
         """Apply new cache settings (w_max, policy, quant, layout, selector, interval, ...) between steps.
@@ -74,10 +67,11 @@ class Engine:
         if any(getattr(new, k) != getattr(self.cfg, k) for k in codec_keys):
             for node in self.cache.tree.nodes():
                 node.checkpoint = None
-            self.cache.checkpoints = self._checkpoint_pool(new)
+            self.worker.configure_checkpoints(new)
+            self.cache.checkpoints = self._pool()
             self.cache.select = self._select(new)
         else:
-            self._local_rows = local_rows(self.plan) if self.plan is not None and new.policy == "wr" else None
+            self.worker.set_policy(new.policy)
         self.cfg = self.scheduler.cfg = new
         self.cache.admission = new.admission
 
@@ -129,7 +123,7 @@ class Engine:
             if not w.seq.counted:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
-        logits = self.runner.run(works)
+        logits = self.run_works(works)
         self.telemetry.steps += 1
         outputs = []
         for w in works:
@@ -138,7 +132,7 @@ class Engine:
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
             self._checkpoint_after(seq)
             if id(seq) in logits:
-                outputs.append(self._append_token(seq, sample(seq, logits[id(seq)])))
+                outputs.append(self._append_token(seq, _sample(seq, logits[id(seq)])))
         return outputs
 
     def _checkpoint_after(self, seq: Sequence) -> None:
@@ -157,7 +151,8 @@ class Engine:
         self.cache.unlock(seq.node)
         seq.node, seq.num_shared = res.node, pos
         seq.kv_slots = torch.cat([res.slots, seq.kv_slots[pos:]])
-        self.cache.store_checkpoint(res.node, self.states.gather([seq.state_slot]), kind)
+        slot = seq.state_slot
+        self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store(slot, ckpt), kind)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
@@ -199,16 +194,24 @@ class Engine:
         if all(s.is_finished for s in self._seqs.get(seq.request_id, [])):
             self._seqs.pop(seq.request_id, None)
 
+    def run_works(self, works: list[Work]) -> dict[int, torch.Tensor]:
+        """One forward for the step's pieces; next-token logits keyed by id(seq) for pieces that reach the end
+        of their sequence's token stream."""
+        want = [i for i, w in enumerate(works) if w.end == len(w.seq.tokens)]
+        batch = StepBatch([t for w in works for t in w.seq.tokens[w.start : w.end]],
+                          tuple(w.end - w.start for w in works), tuple(w.start for w in works),
+                          [w.seq.kv_slots for w in works], [w.new_slots for w in works],
+                          [w.seq.state_slot for w in works], want)
+        logits = self.worker.run(batch)
+        return {id(works[i].seq): logits[j] for j, i in enumerate(want)}
+
     def _refresh_loaded(self, seqs: list[Sequence]) -> None:
         """wr: refresh the omitted units of the checkpoints loaded this step, in one batched replay."""
-        if not self._local_rows or not seqs:
+        if not seqs or self.worker.local_rows is None:
             return
         t0 = time.perf_counter()
-        slots = [s.state_slot for s in seqs]
-        states = self.states.gather(slots)
-        n = refresh_local_units(self.model, [s.tokens[: s.num_computed] for s in seqs], self.cache.kv.storage,
-                                [s.kv_slots[: s.num_computed] for s in seqs], states, self.plan, self._local_rows)
-        self.states.scatter(slots, states)
+        n = self.worker.refresh([s.tokens[: s.num_computed] for s in seqs],
+                                [s.kv_slots[: s.num_computed] for s in seqs], [s.state_slot for s in seqs])
         self.telemetry.wr_replay_tokens += n
         self.telemetry.wr_replay_s += time.perf_counter() - t0
 
@@ -224,13 +227,14 @@ class Engine:
         return [[final[(r, i)] for i in range(params.n)] for r in ids]
 
     def snapshot(self) -> dict:
-        snap = self.telemetry.snapshot(self.cache, self.states, len(self.scheduler.running), len(self.scheduler.waiting))
+        snap = self.telemetry.snapshot(self.cache, self.scheduler.states, len(self.scheduler.running),
+                                       len(self.scheduler.waiting))
         snap["preemptions"] = self.scheduler.num_preemptions
         dense = self.plan.total_units if self.plan else None
         snap["dasc"] = None if self.plan is None else {
             "w_max": self.plan.w_max, "policy": self.cfg.policy, "quant": self.cfg.quant, "layout": self.cfg.layout,
             "selector": self.plan.selector, "retained_fraction": self.plan.retained_fraction,
-            "compression_ratio": DenseCodec(self.model.empty_states(1)).bytes_per_slot / self.codec.bytes_per_slot,
+            "compression_ratio": DenseCodec(self.worker.states.template()).bytes_per_slot / self.codec.bytes_per_slot,
             "total_units": dense, "retained_units": self.plan.retained_units}
         return snap
 
@@ -238,8 +242,9 @@ class Engine:
         self.cache.check_integrity(self.scheduler.private_slots())
 
 
-def _kv_widths(model: HybridForCausalLM) -> dict[int, int]:
-    return {i: model.model.layers[i].mixer.kv_entry_width for i in model.attention_layers}
+def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+    p = seq.params
+    return sample_token(logits, p.temperature, p.top_p, seq.generator, p.top_k)
 
 
 def _model_len(model: HybridForCausalLM) -> int:

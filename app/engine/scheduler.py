@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from app.cache.pools import StatePool
+from app.cache.pools import SlotAllocator
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
 from app.engine.request import Sequence, Status
@@ -30,8 +30,9 @@ class Work(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, cache: PrefixCache, states: StatePool) -> None:
-        self.cfg, self.cache, self.states = cfg, cache, states
+    def __init__(self, cfg: EngineConfig, cache: PrefixCache, worker) -> None:
+        self.cfg, self.cache, self.worker = cfg, cache, worker
+        self.states = SlotAllocator(cfg.max_running)  # active-state slots; the worker holds their tensors
         self.loaded: list[Sequence] = []  # admitted from a checkpoint since the engine last looked (dasc wr)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -96,17 +97,17 @@ class Scheduler:
         limit = len(tokens) - 1  # at least one token is always computed, to produce logits
         use_cache = self.cfg.enable_cache or seq.fork_of is not None
         match = self.cache.match(tokens, limit) if use_cache else None
-        seq.state_slot = self.states.alloc()
+        seq.state_slot = self.states.alloc(1)[0]
         if match is not None and match.checkpoint_node is not None:
             seq.node = match.checkpoint_node
             seq.num_computed = match.checkpoint_len
             seq.kv_slots = match.kv_slots.clone()
-            self.states.write(seq.state_slot, self.cache.load_checkpoint(seq.node))
+            self.worker.load(self.cache.load_checkpoint(seq.node), seq.state_slot)
             self.loaded.append(seq)
         else:
             seq.node = self.cache.tree.root
             seq.num_computed, seq.kv_slots = 0, torch.zeros(0, dtype=torch.long)
-            self.states.zero(seq.state_slot)
+            self.worker.zero(seq.state_slot)
         self.cache.lock(seq.node)
         seq.num_shared = seq.num_computed
         if not seq.admitted_once:
@@ -155,7 +156,7 @@ class Scheduler:
             self.cache.unlock(seq.node)
             seq.node = None
         if seq.state_slot is not None:
-            self.states.free(seq.state_slot)
+            self.states.free([seq.state_slot])
             seq.state_slot = None
 
     def private_slots(self) -> list[torch.Tensor]:

@@ -70,7 +70,7 @@ class Telemetry:
             "checkpoint_slots": pool.num_slots,
             "checkpoint_slots_used": pool.num_used,
             "checkpoint_slots_free": pool.num_free,
-            "checkpoint_bytes_per_slot": pool.codec.bytes_per_slot,
+            "checkpoint_bytes_per_slot": pool.bytes_per_slot,
             "checkpoint_bytes_allocated": pool.allocated_bytes,
             "checkpoint_stores": c.stores,
             "checkpoint_stores_by_kind": dict(c.by_kind),

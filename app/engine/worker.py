@@ -1,0 +1,99 @@
+"""The worker: what one tensor-parallel rank holds (its model shard, KV storage, active-state storage and
+checkpoint storage) and the verbs the engine drives it with. The engine's scheduler and cache only decide
+slot ids; every byte moves here. Under TP the same verb runs on every rank (app/engine/tp.py).
+
+All pieces of a step run in one forward: decode tokens of many sequences batch through the recurrent ops
+together (equal extend length 1), prefill pieces run with their peers of equal length, attention reads and
+writes KV through `PagedKV`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.cache.checkpoint import CheckpointCodec, DenseCodec, physical_slots
+from app.cache.pools import KVStorage, PagedKV, StateStorage
+from app.dasc.codec import DascCodec
+from app.dasc.horizons import model_geometry, model_horizons
+from app.dasc.plan import make_plan
+from app.dasc.policy import local_rows, refresh_local_units
+from app.engine.config import EngineConfig
+from app.models.batch import BatchLayout
+from app.models.hybrid import HybridForCausalLM
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One forward: sequence i feeds token_ids[offsets[i]:offsets[i+1]] at positions cached_lens[i]...,
+    reads KV `history[i]`, writes `new_slots[i]`, carries state slot `state_slots[i]`; logits come back for
+    the sequences listed in `want_logits` (their last token)."""
+
+    token_ids: list[int]
+    extend_lens: tuple[int, ...]
+    cached_lens: tuple[int, ...]
+    history: list[torch.Tensor]
+    new_slots: list[torch.Tensor]
+    state_slots: list[int]
+    want_logits: list[int]
+
+
+class Worker:
+    def __init__(self, model: HybridForCausalLM, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> None:
+        self.model = model.eval()
+        self.kv = KVStorage(kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
+        self.states = StateStorage(model.empty_states(1), cfg.max_running)
+        self.configure_checkpoints(cfg, codec)
+
+    # ------------------------------------------------------------------ checkpoint storage
+    def configure_checkpoints(self, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> tuple[int, int]:
+        """Build the codec the config asks for (dense, or dasc with a plan) and allocate its slots within the
+        budget. Returns (bytes per slot, physical slots). Old checkpoints are dropped."""
+        template = self.model.empty_states(1)
+        self.plan = None
+        if codec is None and cfg.w_max is not None:
+            self.plan = make_plan(model_geometry(self.model), model_horizons(self.model), cfg.w_max, cfg.selector)
+            codec = DascCodec(template, self.plan, cfg.layout, cfg.quant)
+        self.codec = codec or DenseCodec(template)
+        self.set_policy(cfg.policy)
+        budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
+        self.physical = physical_slots(self.codec.bytes_per_slot, budget, cfg.checkpoint_slots)
+        self.codec.allocate(self.physical)
+        return self.codec.bytes_per_slot, self.physical
+
+    def set_policy(self, policy: str) -> None:
+        self.local_rows = local_rows(self.plan) if self.plan is not None and policy == "wr" else None
+
+    def store(self, state_slot: int, ckpt_slot: int) -> None:
+        self.codec.store(ckpt_slot, self.states.gather([state_slot]))
+
+    def load(self, ckpt_slot: int, state_slot: int) -> None:
+        self.states.write(state_slot, self.codec.load(ckpt_slot))
+
+    def zero(self, state_slot: int) -> None:
+        self.states.zero(state_slot)
+
+    # ------------------------------------------------------------------ compute
+    @torch.no_grad()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Feed every piece; returns fp32 next-token logits [len(want_logits), V]."""
+        ids = torch.tensor(batch.token_ids, dtype=torch.long)
+        layout = BatchLayout(batch.extend_lens, batch.cached_lens)
+        kv = PagedKV(self.kv, batch.history, batch.new_slots)
+        logits, new_states = self.model(ids, layout, kv, self.states.gather(batch.state_slots))
+        self.states.scatter(batch.state_slots, new_states)
+        return logits[batch.want_logits].float()
+
+    def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
+        """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""
+        if not self.local_rows or not prefixes:
+            return 0
+        states = self.states.gather(state_slots)
+        n = refresh_local_units(self.model, prefixes, self.kv.storage, kv_slots, states, self.plan, self.local_rows)
+        self.states.scatter(state_slots, states)
+        return n
+
+
+def kv_widths(model: HybridForCausalLM) -> dict[int, int]:
+    return {i: model.model.layers[i].mixer.kv_entry_width for i in model.attention_layers}

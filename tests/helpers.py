@@ -1,0 +1,30 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine.engine import Engine
+from app.models.loader import ZOO_DIR, load_model
+from app.models.tokenizer import Tokenizer
+
+
+def load_zoo(name: str):
+    torch.set_num_threads(2)
+    d = ZOO_DIR / name
+    return load_model(d), Tokenizer.from_dir(d)
+
+
+def record_logits(engine: Engine) -> dict:
+    """Wrap the runner so every next-token logit vector is kept, keyed by (request, seq, position)."""
+    seen, run = {}, engine.run_works
+
+    def recording(works):
+        logits = run(works)
+        for w in works:
+            if id(w.seq) in logits:
+                seen[(w.seq.request_id, w.seq.index, w.end)] = logits[id(w.seq)].clone()
+        return logits
+
+    engine.run_works = recording
+    return seen
