@@ -57,7 +57,9 @@ class Placement:
         return out
 
 
-def plan_placement(plan: SelectionPlan, tp: int, mode: str) -> Placement:
+def plan_placement(plan: SelectionPlan, tp: int, mode: str,
+                   head_order: tuple[tuple[int, ...], ...] | None = None) -> Placement:
+    """`head_order` fixes stage 1 (the permutation a loaded model was sharded with); stage 2 still balances."""
     if mode not in MODES:
         raise ValueError(f"placement must be one of {MODES}, got {mode!r}")
     for lp in plan.layers:
@@ -65,12 +67,12 @@ def plan_placement(plan: SelectionPlan, tp: int, mode: str) -> Placement:
         if lp.heads % lp.bundle or bundles % tp:
             raise ValueError(f"layer {lp.layer}: {bundles} head bundles ({lp.heads} heads in bundles of "
                              f"{lp.bundle}) do not divide over TP size {tp}")
-    orders = tuple(tuple(range(lp.heads)) for lp in plan.layers)
+    orders = head_order or tuple(tuple(range(lp.heads)) for lp in plan.layers)
     local = _local_units(plan, orders, tp)
     if mode == "off":
         return Placement(mode, tp, orders, local, max(local), ())
     width = math.ceil(sum(local) / tp)  # stage 1 permutes heads, so sum(U_r) and the width do not change
-    if mode == "balanced":  # the greedy stage 1 can lose to the identity order; keep whichever moves less
+    if mode == "balanced" and head_order is None:  # greedy stage 1 can lose to identity: keep what moves less
         greedy = _balanced_orders(plan, tp)
         greedy_local = _local_units(plan, greedy, tp)
         if _surplus(greedy_local, width) < _surplus(local, width):

@@ -17,8 +17,10 @@ from app.cache.checkpoint import CheckpointCodec, DenseCodec, physical_slots
 from app.cache.pools import KVStorage, PagedKV, StateStorage
 from app.dasc.codec import DascCodec
 from app.dasc.horizons import model_geometry, model_horizons
+from app.dasc.placement import plan_placement
 from app.dasc.plan import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
+from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
@@ -39,9 +41,24 @@ class StepBatch:
     want_logits: list[int]
 
 
+@dataclass(frozen=True)
+class TPContext:
+    """This worker is rank `rank` of `size`; `geometry`/`horizons` describe the full (unsharded) model, and
+    `head_order` is the stage-1 permutation it was sharded with (None: identity)."""
+
+    rank: int
+    size: int
+    placement: str
+    head_order: tuple | None
+    geometry: list
+    horizons: list
+
+
 class Worker:
-    def __init__(self, model: HybridForCausalLM, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> None:
+    def __init__(self, model: HybridForCausalLM, cfg: EngineConfig, codec: CheckpointCodec | None = None,
+                 tp: TPContext | None = None) -> None:
         self.model = model.eval()
+        self.tp = tp
         self.kv = KVStorage(kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
         self.states = StateStorage(model.empty_states(1), cfg.max_running)
         self.configure_checkpoints(cfg, codec)
@@ -52,9 +69,14 @@ class Worker:
         budget. Returns (bytes per slot, physical slots). Old checkpoints are dropped."""
         template = self.model.empty_states(1)
         self.plan = None
-        if codec is None and cfg.w_max is not None:
+        if codec is None and cfg.w_max is not None and self.tp is None:
             self.plan = make_plan(model_geometry(self.model), model_horizons(self.model), cfg.w_max, cfg.selector)
             codec = DascCodec(template, self.plan, cfg.layout, cfg.quant)
+        elif codec is None and cfg.w_max is not None:
+            t = self.tp
+            self.plan = make_plan(t.geometry, t.horizons, cfg.w_max, cfg.selector)
+            placement = plan_placement(self.plan, t.size, t.placement, head_order=t.head_order)
+            codec = PlacedDascCodec(template, self.plan, placement, t.rank, cfg.quant)
         self.codec = codec or DenseCodec(template)
         self.set_policy(cfg.policy)
         budget = None if cfg.checkpoint_slots is not None else int(cfg.checkpoint_budget_mb * 2**20)
@@ -63,7 +85,10 @@ class Worker:
         return self.codec.bytes_per_slot, self.physical
 
     def set_policy(self, policy: str) -> None:
-        self.local_rows = local_rows(self.plan) if self.plan is not None and policy == "wr" else None
+        """wr needs the rows of this worker's state that the plan omits (under TP: of its own heads)."""
+        self.local_rows = None
+        if self.plan is not None and policy == "wr":
+            self.local_rows = local_rows(self.plan) if self.tp is None else self.codec.omitted_rows()
 
     def store(self, state_slot: int, ckpt_slot: int) -> None:
         self.codec.store(ckpt_slot, self.states.gather([state_slot]))

@@ -37,6 +37,7 @@ class HybridForCausalLM(nn.Module):
 
     config: object
     chunk_size: int = 64
+    tp_size: int = 1  # > 1 after app.models.shard.shard_model: mixer and MLP outputs are partial sums
 
     def _build(self, config, layers: list[DecoderLayer], final_norm: nn.Module) -> None:
         self.config = config
@@ -91,12 +92,17 @@ class HybridForCausalLM(nn.Module):
                 j += 1
             else:
                 x = layer.mixer(x, layout, kv, idx)
-            hidden = hidden + x
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._reduce(x)
+            hidden = hidden + self._reduce(layer.mlp(layer.post_attention_layernorm(hidden)))
         if not all_logits:
             hidden = hidden[layout.last_token_index]
         logits = self.lm_head(self.model.norm(hidden))
         return logits, LinearStates(new_conv, new_ssm)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [B, T] -> logits [B, T, V], from zero state with nothing cached."""
