@@ -14,10 +14,9 @@ import sys
 import torch
 
 from app.engine.config import EngineConfig
-from app.engine.engine import Engine
 from app.engine.request import SamplingParams
-from app.models.loader import load_model, resolve_model_dir
-from app.models.tokenizer import Tokenizer
+from app.engine.tp import build_engine
+from app.models.loader import resolve_model_dir
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -43,8 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokenizer = Tokenizer.from_dir(model_dir)
-    engine = Engine(load_model(model_dir), tokenizer, cfg)
+    engine = build_engine(str(model_dir), cfg, args.tp, args.placement)
+    tokenizer = engine.tokenizer
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
         try:
@@ -59,6 +58,8 @@ def _generate(args: argparse.Namespace) -> int:
             print(out.text)
     if args.stats:
         print(json.dumps(engine.snapshot(), indent=2), file=sys.stderr)
+    if getattr(engine, "tp_group", None) is not None:
+        engine.tp_group.close()
     return 0
 
 
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     dasc.add_argument("--quant", choices=["none", "int8"], default="none")
     dasc.add_argument("--layout", choices=["ragged", "padded"], default="ragged")
     dasc.add_argument("--selector", default="decay", help="decay | random:<seed> (count-matched baseline)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU)")
+    g.add_argument("--placement", choices=["off", "storage", "balanced"], default="off",
+                   help="TP placement of compressed checkpoints")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.set_defaults(func=_generate)
     return parser

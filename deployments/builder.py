@@ -80,6 +80,7 @@ class ServeArgs(_Strict):
     threads: int = Field(1, description="torch threads per replica")
     max_ongoing_requests: int = 64
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica (1: in-process)")
+    placement: str = Field("off", description="TP placement of dasc checkpoints: off | storage | balanced")
     engine: EngineArgs = EngineArgs()
     router: RouterArgs = RouterArgs()
     controller: ControllerArgs = ControllerArgs()
@@ -101,13 +102,18 @@ def build_app(args: dict) -> Application:
     if cfg.router.kind == "prefix":
         router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "min_match_tokens", "max_queue_gap",
                                                              "max_ratio")}
+    # TP ranks 1..T-1 are processes the replica starts; reserving one bundle per rank keeps their CPUs (or
+    # GPUs, with {"GPU": 1} bundles) on the replica's node and out of other replicas' hands.
+    tp_options = ({"placement_group_bundles": [{"CPU": cfg.replica_cpus}] * cfg.tp_size,
+                   "placement_group_strategy": "STRICT_PACK"} if cfg.tp_size > 1 else {})
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.replica_cpus},
+        ray_actor_options={"num_cpus": cfg.replica_cpus}, **tp_options,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[cfg.router.kind], request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=cfg.router.stats_period_s),
-    ).bind(cfg.model, cfg.engine.model_dump(), cfg.router.block_size, controller, cfg.threads)
+    ).bind(cfg.model, cfg.engine.model_dump(), cfg.router.block_size, controller, cfg.threads, cfg.tp_size,
+           cfg.placement)
     api = cfg.api.model_dump()
     api["api_key"] = api["api_key"] or os.environ.get("DASC_API_KEY") or None
     ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0})

@@ -21,8 +21,7 @@ from app.cache.digest import tree_digest
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
-from app.models.loader import load_model, resolve_model_dir
-from app.models.tokenizer import Tokenizer
+from app.engine.tp import build_engine
 from deployments import controller as controller_mod
 from deployments.messages import GenerateRequest
 
@@ -30,10 +29,10 @@ log = logging.getLogger("ray.serve")
 
 
 class EngineReplica:
-    def __init__(self, model: str, engine: dict, digest_block: int, controller: dict, threads: int = 1) -> None:
+    def __init__(self, model: str, engine: dict, digest_block: int, controller: dict, threads: int = 1,
+                 tp_size: int = 1, placement: str = "off") -> None:
         torch.set_num_threads(threads)
-        model_dir = resolve_model_dir(model)
-        self.engine = AsyncEngine(Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig(**engine)))
+        self.engine = AsyncEngine(build_engine(model, EngineConfig(**engine), tp_size, placement))
         self.digest_block = digest_block
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._ttfts: list[float] = []
