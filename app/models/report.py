@@ -110,13 +110,42 @@ def render(name: str, run: Path, m: dict) -> str:
     for key, r in m["probes"].items():
         kind, ctx = key.split("@")
         lines.append(f"| {kind} | {ctx} | {r['exact_match']:.2f} | {r['n']} |")
+    lines += ["", _retrieval_note(m, log)]
     lines += ["", "## Static horizons (a = -0.3, eps = 1e-3) and retained fraction by W_max", "",
               "| | units | min | q25 | median | q75 | max | " + " | ".join(f"W={w}" for w in W_MAX) + " |",
               "|---" * (7 + len(W_MAX)) + "|"]
     for label, h in (("init", m["horizons_init"]), ("trained", m["horizons_trained"])):
         lines.append(f"| {label} | {h['units']} | {h['min']:.1f} | {h['q25']:.1f} | {h['median']:.1f} | "
-                     f"{h['q75']:.1f} | {h['max']:.0f} | " + " | ".join(f"{h['retained'][w]:.2f}" for w in W_MAX) + " |")
+                     f"{h['q75']:.1f} | {h['max']:.0f} | " + " | ".join(f"{_retained(h, w):.2f}" for w in W_MAX) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _retained(profile: dict, w: int) -> float:
+    """Retained fraction at W_max w (keys are strings once a profile went through JSON)."""
+    return profile["retained"].get(w, profile["retained"].get(str(w)))
+
+
+def _retrieval_note(m: dict, log: list[dict]) -> str:
+    """Say plainly whether retrieval was learned and, if not, what the log shows about why."""
+    single = m["probes"].get("single_key@512", {}).get("exact_match", 0.0)
+    if single >= 0.8:
+        return f"Single-key retrieval at 512 tokens reaches {single:.0%}."
+    acc = [(r["step"], r["answer_acc"]) for r in log if r.get("answer_acc") is not None]
+    tenth = max(1, len(acc) // 10)
+    early = sum(a for _, a in acc[:tenth]) / tenth
+    late = sum(a for _, a in acc[-tenth:]) / tenth
+    return (
+        f"**Retrieval was not learned** (single-key exact match {single:.0%} at 512 tokens; the model answers "
+        f"every lookup with the same frequent value). What the log shows: argmax accuracy on supervised answer "
+        f"spans (lookup answers and repeated random segments) rose from {early:.2f} in the first tenth of "
+        f"training to {late:.2f} in the last, i.e. copying of repeated segments began to emerge, but dictionary "
+        f"lookups did not follow. What limited it: the one-hour CPU budget ({log[-1]['tokens']:,} tokens, "
+        "orders of magnitude fewer than in-context retrieval usually needs), a model of a few million "
+        "parameters, and the hybrid stack itself: in ablations on a pure copy task (vocab 500, batch 16 x 64), "
+        "attention-only stacks learned copying within 200-450 steps while hybrids with linear layers between "
+        "or after the attention layers had not within 450-750 steps, which is why these presets place attention "
+        "early. The quality measurements under compression (continuation loss and greedy agreement against "
+        "dense, in docs/benchmarks.md) do not depend on retrieval.")
 
 
 def main(argv=None) -> None:
