@@ -41,9 +41,8 @@ class EngineReplica:
         self._stats_version = 0
         self._applied_version = 0
         self._controller_cfg = controller
-        self._controller = None
-        if controller.get("enabled", True):
-            self._task = asyncio.get_event_loop().create_task(self._telemetry_loop())
+        self._controller = None  # telemetry always flows (for /metrics); the controller tunes only if enabled
+        self._task = asyncio.get_event_loop().create_task(self._telemetry_loop())
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True

@@ -18,14 +18,16 @@ class RouterKnobs:
     """block_size: tokens per hashed block (must equal the replicas' digest block).
     min_match_tokens: a match shorter than this counts as no match (fall back to load).
     max_queue_gap: affinity only to replicas whose queue is at most this many requests above the shortest.
-    max_ratio: affinity only while a replica's recent share stays below max_ratio times a fair share
-        relative to the others (bounds the request ratio between replicas under skewed traffic).
-    share_window: how many recent routing decisions the share is measured over."""
+    max_ratio, slack: affinity only while a replica's count of recent decisions c stays within
+        c + 1 <= max_ratio * (c_min + 1) + slack, c_min the least-used candidate's count: this bounds the
+        request ratio between replicas under skewed traffic while a prefix's first repeats still stick.
+    share_window: how many recent routing decisions the counts cover."""
 
     block_size: int = 16
     min_match_tokens: int = 32
     max_queue_gap: int = 4
     max_ratio: float = 1.4
+    slack: int = 1
     share_window: int = 64
 
 
@@ -41,16 +43,14 @@ def rank(candidates: list[Candidate], chain: list[int], knobs: RouterKnobs) -> l
     """Replica ids in preference ranks: [[chosen], [the rest by load]]."""
     if not candidates:
         return []
-    n = len(candidates)
-    total = sum(c.recent for c in candidates)
-    share_limit = knobs.max_ratio / (knobs.max_ratio + n - 1)
+    least_used = min(c.recent for c in candidates)
     shortest = min(c.queue_len for c in candidates)
 
     def load(c: Candidate):
         return (c.queue_len, c.recent, c.replica_id)
 
     def eligible(c: Candidate) -> bool:
-        over_share = total >= n and (c.recent + 1) / (total + 1) > share_limit
+        over_share = c.recent + 1 > knobs.max_ratio * (least_used + 1) + knobs.slack
         return c.queue_len <= shortest + knobs.max_queue_gap and not over_share
 
     saved = {c.replica_id: matched_blocks(chain, c.known) * knobs.block_size for c in candidates}
