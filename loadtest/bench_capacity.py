@@ -147,6 +147,7 @@ def main(argv=None) -> None:
     p.add_argument("--w-max", type=int, nargs="+", default=list(W_MAXES))
     p.add_argument("--prompt-len", type=int, nargs=2, default=[96, 160], help="range of prompt lengths")
     p.add_argument("--max-phase-prompts", type=int, default=600)
+    p.add_argument("--phases", type=int, default=None, help="keep only the first N capacity boundaries")
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 123, 7])
     p.add_argument("--quality-prompts", type=int, default=24)
     p.add_argument("--threads", type=int, default=2)
@@ -164,7 +165,7 @@ def main(argv=None) -> None:
     for w in args.w_max:
         plan = make_plan(model_geometry(model), model_horizons(model), w)
         caps.append((f"W{w}", slots_for_budget(128 * dense_bytes, DascCodec(model.empty_states(1), plan).bytes_per_slot)))
-    phases = [(name, min(math.ceil(n / 0.85), args.max_phase_prompts)) for name, n in caps]
+    phases = [(name, min(math.ceil(n / 0.85), args.max_phase_prompts)) for name, n in caps][: args.phases]
     source = corpus_ids(tok, sum(q for _, q in phases) * args.prompt_len[1] + 192 * args.quality_prompts)
     rng = random.Random(0)
     phase_prompts, pos = [], 0
