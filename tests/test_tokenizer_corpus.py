@@ -13,18 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.models.corpus import (
-    GENERATORS,
-    MAX_FILE_BYTES,
-    TrainingStream,
-    copy_list,
-    kv_lookup,
-    snippet_for_context,
-    split_files,
-    stdlib_files,
-    stdlib_root,
-    var_chain,
-)
+from app.models.corpus import MAX_FILE_BYTES, TrainingStream, split_files, stdlib_files, stdlib_root
+from app.models.snippets import GENERATORS, copy_list, kv_lookup, snippet_for_context, var_chain
 from app.models.probe import PROBE_KINDS, is_exact, retrieval_probe
 from app.models.tokenizer import EOT, IM_END, IM_START, Tokenizer, decode_stream, train_tokenizer
 

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from typing import NamedTuple
 
-from app.models.corpus import Snippet, single_token_words, snippet_for_context
+from app.models.snippets import Snippet, single_token_words, snippet_for_context
 from app.models.tokenizer import Tokenizer
 
 Generate = Callable[[list[int], int], list[int]]

@@ -25,7 +25,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from app.models.corpus import GENERATORS, read_source, split_files, stdlib_files
+from app.models.corpus import read_source, split_files, stdlib_files
+from app.models.snippets import GENERATORS
 
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOT, IM_START, IM_END)
