@@ -130,29 +130,35 @@ class Engine:
             seq = w.seq
             seq.num_computed = w.end
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
-            self._checkpoint_after(seq)
+            self._checkpoint_after(seq, w.start)
             if id(seq) in logits:
                 outputs.append(self._append_token(seq, _sample(seq, logits[id(seq)])))
         return outputs
 
-    def _checkpoint_after(self, seq: Sequence) -> None:
-        pos = seq.num_computed
-        kind = seq.cuts.pop(pos, None)
-        decode_interval = (self.cfg.enable_cache and self.cfg.interval and pos % self.cfg.interval == 0
-                           and pos >= seq.prompt_len)
-        if kind is not None or decode_interval:
-            self._store(seq, kind or "interval")
+    def _checkpoint_after(self, seq: Sequence, start: int) -> None:
+        """Store the checkpoints of the cuts this step passed: inside the piece from the worker's snapshots,
+        at its end from the state itself; and aligned decode intervals."""
+        end = seq.num_computed
+        for pos in sorted(p for p in seq.cuts if start < p <= end):
+            kind = seq.cuts.pop(pos)
+            slot = seq.state_slot
+            if pos == end:
+                self._store(seq, pos, kind, lambda ckpt: self.worker.store(slot, ckpt))
+            else:
+                self._store(seq, pos, kind, lambda ckpt, k=pos - start: self.worker.store_snapshot(slot, k, ckpt))
+        if (self.cfg.enable_cache and self.cfg.interval and end % self.cfg.interval == 0 and end >= seq.prompt_len
+                and seq.num_shared < end):
+            slot = seq.state_slot
+            self._store(seq, end, "interval", lambda ckpt: self.worker.store(slot, ckpt))
 
-    def _store(self, seq: Sequence, kind: str) -> None:
-        """Insert the sequence's KV up to num_computed into the tree and store its state there."""
-        pos = seq.num_computed
+    def _store(self, seq: Sequence, pos: int, kind: str, write) -> None:
+        """Insert the sequence's KV up to `pos` into the tree and store a checkpoint there with `write`."""
         res = self.cache.insert(seq.tokens[:pos], seq.kv_slots[:pos])
         self.cache.lock(res.node)
         self.cache.unlock(seq.node)
         seq.node, seq.num_shared = res.node, pos
         seq.kv_slots = torch.cat([res.slots, seq.kv_slots[pos:]])
-        slot = seq.state_slot
-        self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store(slot, ckpt), kind)
+        self.cache.store_checkpoint(res.node, write, kind)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
@@ -186,7 +192,8 @@ class Engine:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         if (store and self.cfg.enable_cache and self.cfg.store_generation_end and seq.status is Status.RUNNING
                 and seq.num_computed > seq.num_shared):
-            self._store(seq, "generation_end")
+            slot = seq.state_slot
+            self._store(seq, seq.num_computed, "generation_end", lambda ckpt: self.worker.store(slot, ckpt))
         self.scheduler.release(seq)
         seq.status = Status.FINISHED
         if seq.admitted_once:
@@ -198,10 +205,11 @@ class Engine:
         """One forward for the step's pieces; next-token logits keyed by id(seq) for pieces that reach the end
         of their sequence's token stream."""
         want = [i for i, w in enumerate(works) if w.end == len(w.seq.tokens)]
+        snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
         batch = StepBatch([t for w in works for t in w.seq.tokens[w.start : w.end]],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
                           [w.seq.kv_slots for w in works], [w.new_slots for w in works],
-                          [w.seq.state_slot for w in works], want)
+                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else ())
         logits = self.worker.run(batch)
         return {id(works[i].seq): logits[j] for j, i in enumerate(want)}
 

@@ -94,10 +94,9 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def next_end(self, budget: int) -> int:
-        """Where this step's piece ends: the next checkpoint cut, the budget, or the stream's end."""
-        end = min(len(self.tokens), self.num_computed + budget)
-        ahead = [c for c in self.cuts if c > self.num_computed]
-        return min([end] + ahead)
+        """Where this step's piece ends: the budget or the stream's end. Checkpoint cuts inside a piece are
+        captured as state snapshots during the same forward, so they never split a step."""
+        return min(len(self.tokens), self.num_computed + budget)
 
 
 @dataclass(frozen=True)

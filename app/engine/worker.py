@@ -30,7 +30,8 @@ from app.models.hybrid import HybridForCausalLM
 class StepBatch:
     """One forward: sequence i feeds token_ids[offsets[i]:offsets[i+1]] at positions cached_lens[i]...,
     reads KV `history[i]`, writes `new_slots[i]`, carries state slot `state_slots[i]`; logits come back for
-    the sequences listed in `want_logits` (their last token)."""
+    the sequences listed in `want_logits` (their last token). States after `snapshots[i]` tokens of a piece
+    are kept until the next run, for `store_snapshot`."""
 
     token_ids: list[int]
     extend_lens: tuple[int, ...]
@@ -39,6 +40,7 @@ class StepBatch:
     new_slots: list[torch.Tensor]
     state_slots: list[int]
     want_logits: list[int]
+    snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets inside its piece to keep states at
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Worker:
         self.kv = KVStorage(kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
         self.states = StateStorage(model.empty_states(1), cfg.max_running)
         self.configure_checkpoints(cfg, codec)
+        self.snapshots: dict[tuple[int, int], object] = {}
 
     # ------------------------------------------------------------------ checkpoint storage
     def configure_checkpoints(self, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> tuple[int, int]:
@@ -99,15 +102,20 @@ class Worker:
     def zero(self, state_slot: int) -> None:
         self.states.zero(state_slot)
 
+    def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
+        """Store the state the last run captured `offset` tokens into `state_slot`'s piece."""
+        self.codec.store(ckpt_slot, self.snapshots[(state_slot, offset)])
+
     # ------------------------------------------------------------------ compute
     @torch.no_grad()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Feed every piece; returns fp32 next-token logits [len(want_logits), V]."""
         ids = torch.tensor(batch.token_ids, dtype=torch.long)
-        layout = BatchLayout(batch.extend_lens, batch.cached_lens)
+        layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
         logits, new_states = self.model(ids, layout, kv, self.states.gather(batch.state_slots))
         self.states.scatter(batch.state_slots, new_states)
+        self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         return logits[batch.want_logits].float()
 
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:

@@ -29,12 +29,17 @@ class BatchLayout:
 
     extend_lens: tuple[int, ...]
     cached_lens: tuple[int, ...]
+    snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets k (0 < k < extend_len) to capture
 
     def __post_init__(self) -> None:
         if len(self.extend_lens) != len(self.cached_lens):
             raise ValueError("extend_lens and cached_lens differ in length")
         if any(n < 1 for n in self.extend_lens) or any(c < 0 for c in self.cached_lens):
             raise ValueError(f"bad layout: extend {self.extend_lens}, cached {self.cached_lens}")
+        if self.snapshots and (len(self.snapshots) != len(self.extend_lens) or any(
+                list(ks) != sorted(set(ks)) or any(not 0 < k < n for k in ks)
+                for ks, n in zip(self.snapshots, self.extend_lens))):
+            raise ValueError(f"bad snapshots {self.snapshots} for extend lengths {self.extend_lens}")
 
     @classmethod
     def uniform(cls, batch_size: int, seq_len: int, cached_len: int = 0) -> "BatchLayout":
@@ -120,6 +125,8 @@ class LinearStates:
 
     conv: list[torch.Tensor]
     ssm: list[torch.Tensor]
+    # states inside the step, for BatchLayout.snapshots: (sequence, offset k) -> batch-1 states after k tokens
+    snapshots: dict[tuple[int, int], "LinearStates"] | None = None
 
     @property
     def batch_size(self) -> int:

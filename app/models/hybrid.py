@@ -77,18 +77,20 @@ class HybridForCausalLM(nn.Module):
         all_logits: bool = False,
     ) -> tuple[torch.Tensor, LinearStates]:
         """input_ids: [N] flat tokens of `layout`. Returns logits ([N, V] if all_logits else [num_seqs, V] at each
-        sequence's last token) and the new recurrent states of the batch's sequences."""
+        sequence's last token) and the new recurrent states of the batch's sequences (with `.snapshots` filled
+        when the layout asks for states inside the step)."""
         hidden = self.model.embed_tokens(input_ids)
-        new_conv, new_ssm = [], []
+        new_conv, new_ssm, snapped = [], [], []
         j = 0
         for idx, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(hidden)
             if layer.is_linear:
                 conv = None if states is None else states.conv[j]
                 ssm = None if states is None else states.ssm[j]
-                x, conv, ssm = layer.mixer(x, layout, conv, ssm, self.chunk_size)
+                x, conv, ssm, snaps = layer.mixer(x, layout, conv, ssm, self.chunk_size)
                 new_conv.append(conv)
                 new_ssm.append(ssm)
+                snapped.append(snaps)
                 j += 1
             else:
                 x = layer.mixer(x, layout, kv, idx)
@@ -97,7 +99,11 @@ class HybridForCausalLM(nn.Module):
         if not all_logits:
             hidden = hidden[layout.last_token_index]
         logits = self.lm_head(self.model.norm(hidden))
-        return logits, LinearStates(new_conv, new_ssm)
+        states = LinearStates(new_conv, new_ssm)
+        if any(layout.snapshots):
+            states.snapshots = {key: LinearStates([s[key][0][None] for s in snapped], [s[key][1][None] for s in snapped])
+                                for key in snapped[0]}
+        return logits, states
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:

@@ -148,11 +148,11 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        out, conv, ssm = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
+        out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
                                        self._split, True, chunk_size)
         gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.heads, self.head_dim)
         out = self.o_norm(out.to(x.dtype), gate).reshape(x.shape[0], -1)
-        return self.o_proj(out), conv, ssm
+        return self.o_proj(out), conv, ssm, snaps
 
 
 class KimiMLA(nn.Module):

@@ -124,10 +124,10 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         beta = torch.sigmoid(b.reshape(n, self.nv).float())
         g = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.nv).float() + self.dt_bias.float())
-        out, conv, ssm = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
+        out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
                                        self._split, False, chunk_size)
         out = self.norm(out.to(x.dtype), z.reshape(n, self.nv, self.dv)).reshape(n, -1)
-        return self.out_proj(out), conv, ssm
+        return self.out_proj(out), conv, ssm, snaps
 
 
 class GatedAttention(nn.Module):

@@ -33,8 +33,18 @@ def recurrent_mix(
 
     mixed: [N, C] pre-conv q|k|v projections; g: [N, H] (GDN) or [N, H, K] (KDA) log decay; beta: [N, H];
     conv_weight: [C, W]; conv_state: [B, C, W-1] or None (zeros); ssm_state: [B, H, K, V] fp32 or None.
-    Returns out [N, H, V] and the new conv [B, C, W-1] and ssm [B, H, K, V] states.
+    Returns out [N, H, V] and the new conv [B, C, W-1] and ssm [B, H, K, V] states; with
+    `layout.snapshots`, also {(seq, k): (conv [C, W-1], ssm [H, K, V])} after the first k tokens of a piece
+    (such a sequence runs alone, piece by piece, carrying its state), else an empty dict.
     """
+    if any(layout.snapshots):
+        return _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split,
+                                   per_channel_gate, chunk_size)
+    return (*_run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,
+                         chunk_size), {})
+
+
+def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size):
     groups = layout.groups_by_extend_len()
     b = layout.num_seqs
     if len(groups) == 1:
@@ -58,6 +68,42 @@ def recurrent_mix(
         for j, i in enumerate(seqs):
             new_conv[i], new_ssm[i] = c[j], s[j]
     return out, torch.stack(new_conv), torch.stack(new_ssm)
+
+
+def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,
+                        chunk_size):
+    """Sequences without snapshots run in groups as usual; each one with snapshots runs its sub-pieces."""
+    plain = [i for i, ks in enumerate(layout.snapshots) if not ks]
+    out = None
+    new_conv, new_ssm = [None] * layout.num_seqs, [None] * layout.num_seqs
+    snaps = {}
+    if plain:
+        tok = torch.cat([torch.arange(layout.offsets[i], layout.offsets[i + 1]) for i in plain])
+        idx = torch.tensor(plain)
+        sub = BatchLayout(tuple(layout.extend_lens[i] for i in plain), tuple(layout.cached_lens[i] for i in plain))
+        o, c, s = _run_groups(mixed[tok], g[tok], beta[tok], sub, conv_weight,
+                              None if conv_state is None else conv_state[idx],
+                              None if ssm_state is None else ssm_state[idx], split, per_channel_gate, chunk_size)
+        out = o.new_zeros(mixed.shape[0], *o.shape[1:]).index_copy(0, tok, o)
+        for j, i in enumerate(plain):
+            new_conv[i], new_ssm[i] = c[j], s[j]
+    for i, ks in enumerate(layout.snapshots):
+        if not ks:
+            continue
+        c = None if conv_state is None else conv_state[i : i + 1]
+        s = None if ssm_state is None else ssm_state[i : i + 1]
+        bounds = [0, *ks, layout.extend_lens[i]]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            tok = torch.arange(layout.offsets[i] + lo, layout.offsets[i] + hi)
+            o, c, s = _run_group(mixed[tok][None], g[tok][None], beta[tok][None], conv_weight, c, s, split,
+                                 per_channel_gate, chunk_size)
+            if out is None:
+                out = o.new_zeros(mixed.shape[0], *o.shape[1:])
+            out = out.index_copy(0, tok, o)
+            if hi < layout.extend_lens[i]:
+                snaps[(i, hi)] = (c[0], s[0])
+        new_conv[i], new_ssm[i] = c[0], s[0]
+    return out, torch.stack(new_conv), torch.stack(new_ssm), snaps
 
 
 def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size):
