@@ -20,6 +20,7 @@ from app.ops import (
     causal_conv1d,
     chunk_gdn,
     chunk_kda,
+    chunk_states_at,
     l2norm,
     naive_causal_conv1d,
     naive_gdn,
@@ -141,6 +142,21 @@ def test_two_pieces_equal_one(op, kind):
     o2, S2 = fn(*second, initial_state=S1)
     assert_close("o", o_all, torch.cat([o1, o2], dim=1), 1e-5)
     assert_close("state", S_all, S2, 1e-5)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_states_inside_the_pass_equal_prefix_runs(op):
+    """chunk_states_at: the state after t tokens (inside a chunk, on a boundary, in the last chunk) equals the
+    naive final state of the first t tokens, and o and the final state equal the plain chunked op's."""
+    q, k, v, g, beta, S0 = make_inputs(op, 2, 90, 2, 16, 16, init=True)
+    at = [1, 15, 16, 37, 64, 89]
+    o, S, inside = chunk_states_at(at, q, k, v, g, beta, initial_state=S0, chunk_size=16)
+    o_plain, S_plain = CHUNK[op](q, k, v, g, beta, initial_state=S0, chunk_size=16)
+    assert torch.equal(o, o_plain) and torch.equal(S, S_plain)
+    for t, state in zip(at, inside):
+        assert_close(f"state@{t}", NAIVE[op](*(x[:, :t] for x in (q, k, v, g, beta)), initial_state=S0)[1], state, 1e-5)
+    with pytest.raises(ValueError, match="snapshot positions"):
+        chunk_states_at([90], q, k, v, g, beta, initial_state=S0)
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])

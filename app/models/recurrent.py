@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from app.models.batch import BatchLayout
-from app.ops import causal_conv1d, chunk_gdn, chunk_kda, naive_gdn, naive_kda
+from app.ops import causal_conv1d, chunk_gdn, chunk_kda, chunk_states_at, naive_gdn, naive_kda
 
 # split(conv_out [G, T, C]) -> q [G, T, H, K], k [G, T, H, K], v [G, T, H, V] (q, k already l2-normalised)
 SplitQKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -35,7 +35,7 @@ def recurrent_mix(
     conv_weight: [C, W]; conv_state: [B, C, W-1] or None (zeros); ssm_state: [B, H, K, V] fp32 or None.
     Returns out [N, H, V] and the new conv [B, C, W-1] and ssm [B, H, K, V] states; with
     `layout.snapshots`, also {(seq, k): (conv [C, W-1], ssm [H, K, V])} after the first k tokens of a piece
-    (such a sequence runs alone, piece by piece, carrying its state), else an empty dict.
+    (such a sequence runs alone, in one pass), else an empty dict.
     """
     if any(layout.snapshots):
         return _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split,
@@ -72,7 +72,8 @@ def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, spli
 
 def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,
                         chunk_size):
-    """Sequences without snapshots run in groups as usual; each one with snapshots runs its sub-pieces."""
+    """Sequences without snapshots run in groups as usual; each one with snapshots runs alone in one pass
+    that also returns its states at the cuts (see `chunk_states_at`): no extra pieces, no extra chunks."""
     plain = [i for i, ks in enumerate(layout.snapshots) if not ks]
     out = None
     new_conv, new_ssm = [None] * layout.num_seqs, [None] * layout.num_seqs
@@ -90,27 +91,29 @@ def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_sta
     for i, ks in enumerate(layout.snapshots):
         if not ks:
             continue
+        tok = torch.arange(layout.offsets[i], layout.offsets[i + 1])
         c = None if conv_state is None else conv_state[i : i + 1]
         s = None if ssm_state is None else ssm_state[i : i + 1]
-        bounds = [0, *ks, layout.extend_lens[i]]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            tok = torch.arange(layout.offsets[i] + lo, layout.offsets[i] + hi)
-            o, c, s = _run_group(mixed[tok][None], g[tok][None], beta[tok][None], conv_weight, c, s, split,
-                                 per_channel_gate, chunk_size)
-            if out is None:
-                out = o.new_zeros(mixed.shape[0], *o.shape[1:])
-            out = out.index_copy(0, tok, o)
-            if hi < layout.extend_lens[i]:
-                snaps[(i, hi)] = (c[0], s[0])
-        new_conv[i], new_ssm[i] = c[0], s[0]
+        o, c_new, s_new, conv_at, ssm_at = _run_group(mixed[tok][None], g[tok][None], beta[tok][None], conv_weight,
+                                                      c, s, split, per_channel_gate, chunk_size, ks)
+        if out is None:
+            out = o.new_zeros(mixed.shape[0], *o.shape[1:])
+        out = out.index_copy(0, tok, o)
+        for k, conv_k, ssm_k in zip(ks, conv_at, ssm_at):
+            snaps[(i, k)] = (conv_k[0], ssm_k[0])
+        new_conv[i], new_ssm[i] = c_new[0], s_new[0]
     return out, torch.stack(new_conv), torch.stack(new_ssm), snaps
 
 
-def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size):
-    """x: [G, T, C] -> out [G*T, H, V] and the group's new conv and ssm states."""
+def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size, at=()):
+    """x: [G, T, C] -> out [G*T, H, V] and the group's new conv and ssm states; with cut offsets `at`
+    (0 < t < T), also the conv states [len(at), G, C, W-1] and ssm states [len(at), G, H, K, V] after them."""
     y, conv_new = causal_conv1d(x, conv_weight, None, conv_state, "silu")
     q, k, v = split(y)
     t = x.shape[1]
+    if at:
+        o, s, ssm_at = chunk_states_at(at, q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size)
+        return o.reshape(-1, *o.shape[2:]), conv_new, s, _conv_states_at(x, conv_weight, conv_state, at), ssm_at
     if per_channel_gate:
         o, s = (naive_kda(q, k, v, g, beta, initial_state=ssm_state) if t == 1
                 else chunk_kda(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
@@ -118,3 +121,14 @@ def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channe
         o, s = (naive_gdn(q, k, v, g, beta, initial_state=ssm_state) if t == 1
                 else chunk_gdn(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
     return o.reshape(-1, *o.shape[2:]), conv_new, s
+
+
+def _conv_states_at(x, conv_weight, conv_state, at) -> torch.Tensor:
+    """The conv state after t inputs is the W-1 raw inputs before position t of concat(state, x)."""
+    w = conv_weight.shape[-1] - 1
+    xs = x.transpose(1, 2)
+    if conv_state is not None:
+        xs = torch.cat([conv_state.to(x.dtype), xs], dim=-1)
+    else:
+        xs = torch.cat([xs.new_zeros(*xs.shape[:2], w), xs], dim=-1)
+    return torch.stack([xs[..., t : t + w] for t in at])

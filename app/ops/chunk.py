@@ -23,6 +23,7 @@ recurrence loops in Python. Differentiable with autograd (no in-place ops). KDA 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ def chunk_gdn(
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [B, H, K, V] fp32
     """
-    return _chunk_gated_delta(q, k, v, g.unsqueeze(-1), beta, scale, initial_state, chunk_size)
+    return _chunk_gated_delta(q, k, v, g.unsqueeze(-1), beta, scale, initial_state, chunk_size)[:2]
 
 
 def chunk_kda(
@@ -67,18 +68,39 @@ def chunk_kda(
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [B, H, K, V] fp32
     """
-    return _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size)
+    return _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size)[:2]
 
 
-def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size):
-    """g: [B, T, H, D] with D = K (per channel) or D = 1 (per head, scalar path with plain matmuls)."""
+def chunk_states_at(
+    at: Sequence[int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_kda` (g [B, T, H, K]) or `chunk_gdn` (g [B, T, H]) that also returns the states after the
+    first t tokens for each t in `at` (0 < t < T), [len(at), B, H, K, V] fp32, from the same single pass:
+    a state inside a chunk is its start state advanced by the chunk's first j deltas, one small matmul."""
+    if any(not 0 < t < q.shape[1] for t in at):
+        raise ValueError(f"snapshot positions {list(at)} must lie in (0, {q.shape[1]})")
+    g = g.unsqueeze(-1) if g.dim() == 3 else g
+    return _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at)
+
+
+def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: Sequence[int] = ()):
+    """g: [B, T, H, D] with D = K (per channel) or D = 1 (per head, scalar path with plain matmuls).
+    Returns o, the final state and the states after the first t tokens for t in `at` (stacked, or None)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     out_dtype = q.dtype
     scale = K**-0.5 if scale is None else scale
     S0 = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
     if T == 0:
-        return v.new_zeros(B, 0, H, V, dtype=out_dtype), S0
+        return v.new_zeros(B, 0, H, V, dtype=out_dtype), S0, None
     C = chunk_size
     q, k, v, g = (_to_chunks(x.float(), C) for x in (q, k, v, g))  # [B, H, N, C, *]
     beta = _to_chunks(beta.float().unsqueeze(-1), C)  # [B, H, N, C, 1]
@@ -107,7 +129,18 @@ def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size):
 
     o = (q * from_start) @ starts + Aqk @ deltas  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :T]
-    return o.to(out_dtype), S
+    inside = torch.stack([_state_inside(t, C, starts, deltas, k, G) for t in at]) if at else None
+    return o.to(out_dtype), S, inside
+
+
+def _state_inside(t: int, C: int, starts, deltas, k, G) -> torch.Tensor:
+    """State after t tokens: S = exp(G_{j-1}) * S_n + (k[:j] * exp(G_{j-1} - G[:j]))^T delta[:j], t = n*C + j."""
+    n, j = divmod(t, C)
+    if j == 0:
+        return starts[:, :, n]
+    G_n = G[:, :, n, :j]  # [B, H, j, D]
+    k_to_t = k[:, :, n, :j] * (G_n[..., -1:, :] - G_n).exp()
+    return starts[:, :, n] * G_n[..., -1, :].exp().unsqueeze(-1) + k_to_t.transpose(-1, -2) @ deltas[:, :, n, :j]
 
 
 def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
