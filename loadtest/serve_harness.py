@@ -49,12 +49,15 @@ def serve_app(args: dict, num_cpus: int = 4):
         ray.shutdown()
 
 
-def prefix_prompts(groups: int, per_group: int, seed: int, header_lines: int = 40) -> list[str]:
-    """`groups` long shared headers, each followed by `per_group` different short tails, shuffled."""
-    rng = random.Random(seed)
+def prefix_prompts(groups: int, per_group: int, seed: int, header_lines: int = 40,
+                   tail_seed: int | None = None) -> list[str]:
+    """`groups` long shared headers (drawn from `seed`), each followed by `per_group` different short tails
+    (drawn from `tail_seed`, default `seed`), shuffled. A new `tail_seed` gives new queries on the same headers."""
+    headers_rng = random.Random(seed)
+    rng = random.Random(seed if tail_seed is None else tail_seed + 1_000_003)
     prompts = []
     for g in range(groups):
-        header = "\n".join(f"field_{g}_{i} = {rng.randint(0, 9999)}" for i in range(header_lines))
+        header = "\n".join(f"field_{g}_{i} = {headers_rng.randint(0, 9999)}" for i in range(header_lines))
         prompts += [f"{header}\nquery_{j} = {rng.randint(0, 99)}" for j in range(per_group)]
     rng.shuffle(prompts)
     return prompts

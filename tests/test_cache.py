@@ -65,6 +65,24 @@ def test_insert_split_match_exact_slots():
     tree.check_integrity()
 
 
+def test_match_reports_a_stateless_fork_below_the_checkpoint():
+    """[1 2] is a fork (children [3 4] and [9]) without a checkpoint: a third sequence through it learns its
+    depth; once [1 2] holds a checkpoint, or the fork is past the limit, fork_len is 0."""
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]))
+    tree.insert([1, 2, 9], torch.tensor([20, 21, 22]))
+    m = tree.match([1, 2, 3, 7])
+    assert (m.kv_len, m.checkpoint_len, m.fork_len) == (3, 0, 2)
+    assert tree.match([1, 2, 3, 7], limit=1).fork_len == 0
+    assert tree.match([5, 6]).fork_len == 0
+    fork = tree.match([1, 2, 9]).kv_node.parent
+    assert fork.depth == 2
+    tree.set_checkpoint(fork, 3)
+    m = tree.match([1, 2, 3, 7])
+    assert (m.checkpoint_len, m.fork_len) == (2, 0)
+    tree.check_integrity()
+
+
 def test_lock_protects_from_eviction_and_lru_order():
     cache = _cache(kv_slots=12)
     r1 = cache.insert([1, 2, 3], _slots(cache, 3))

@@ -71,7 +71,7 @@ def test_cache_hits_equal_cold_runs(zoo):
 
 def test_repeated_prompt_hits_at_prompt_end_and_next_turn_hits(zoo):
     model, tok = zoo
-    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8))
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8, checkpoint_min_gap=4))  # 8-token answers count
     prompt = tok.encode("def parse(text):\n    tokens = text.split()\n    return")
     first = eng.generate([prompt], GREEDY)[0][0]
     again = eng.generate([prompt], GREEDY)[0][0]
@@ -81,6 +81,10 @@ def test_repeated_prompt_hits_at_prompt_end_and_next_turn_hits(zoo):
     nxt = eng.generate([turn2], GREEDY)[0][0]
     assert nxt.cached_tokens == len(prompt) + len(first.output_ids) - 1  # the generation-end checkpoint
     assert nxt.output_ids == generate(model, turn2, 8)
+    short = Engine(model, tok, EngineConfig(checkpoint_slots=8))  # default gap 16: no generation-end store
+    short.generate([prompt], GREEDY)
+    assert short.generate([turn2], GREEDY)[0][0].cached_tokens == len(prompt) - 1
+    assert "generation_end" not in short.snapshot()["checkpoint_stores_by_kind"]
 
 
 def test_64_concurrent_requests_match_per_request_greedy(zoo):

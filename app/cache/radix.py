@@ -40,13 +40,17 @@ class Node:
 class MatchResult(NamedTuple):
     """kv_len: prompt tokens whose KV the tree holds; kv_node: node where that match ends (the match may end
     inside its edge); checkpoint_node/checkpoint_len: deepest checkpoint at or below kv_len and at most
-    `limit` (None, 0 when there is none); kv_slots: [checkpoint_len] slots the request can share."""
+    `limit` (None, 0 when there is none); kv_slots: [checkpoint_len] slots the request can share;
+    fork_len: depth of the deepest fork on the matched path below the checkpoint (a node where earlier
+    sequences already diverged, so this request is at least the third to share it) that holds no checkpoint
+    and sits at most at `limit`, else 0: a prefix worth checkpointing again after its checkpoint was evicted."""
 
     kv_len: int
     kv_node: Node
     checkpoint_node: Node | None
     checkpoint_len: int
     kv_slots: torch.Tensor
+    fork_len: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -70,7 +74,7 @@ class RadixTree:
         """Longest cached prefix of `tokens`; the checkpoint used must sit at depth <= limit."""
         limit = len(tokens) if limit is None else limit
         node, pos = self.root, 0
-        best, best_len = None, 0
+        best, best_len, fork = None, 0, 0
         path_slots: list[torch.Tensor] = []
         best_slots = 0
         while pos < len(tokens):
@@ -85,6 +89,8 @@ class RadixTree:
             node, pos = child, pos + n
             if node.checkpoint is not None and node.depth <= limit:
                 best, best_len, best_slots = node, node.depth, len(path_slots)
+            elif len(node.children) >= 2 and node.depth <= limit:
+                fork = node.depth
         if touch:
             now = next(self._clock)
             walk = node
@@ -94,7 +100,7 @@ class RadixTree:
             if best is not None:
                 best.ckpt_access = now
         slots = torch.cat(path_slots[:best_slots]) if best_slots else torch.zeros(0, dtype=torch.long)
-        return MatchResult(pos, node, best, best_len, slots)
+        return MatchResult(pos, node, best, best_len, slots, fork if fork > best_len else 0)
 
     # ------------------------------------------------------------------ updates
     def insert(self, tokens: list[int], slots: torch.Tensor) -> InsertResult:

@@ -28,6 +28,9 @@ class EngineConfig:
     quant: `none` (fp32) or `int8` storage of retained units. layout: `ragged` or `padded`.
     selector: `decay` or `random:<seed>` (count-matched random units, the paper's baseline).
     store_generation_end: checkpoint where generation ended, so a conversation's next turn hits.
+    checkpoint_min_gap: a branch-point or generation-end checkpoint is skipped when the sequence already has
+        a checkpoint fewer than this many tokens before it (a hit just above a branch point, a short answer):
+        it would nearly duplicate that one, and a later request replays those few tokens instead.
     """
 
     max_running: int = 64
@@ -48,6 +51,7 @@ class EngineConfig:
     layout: str = "ragged"
     selector: str = "decay"
     store_generation_end: bool = True
+    checkpoint_min_gap: int = 16
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:
@@ -56,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if min(self.max_running, self.chunk_size, self.max_tokens_per_step, self.kv_slots) < 1:
             raise ValueError("max_running, chunk_size, max_tokens_per_step and kv_slots must be positive")
+        if self.checkpoint_min_gap < 0:
+            raise ValueError(f"checkpoint_min_gap must be >= 0, got {self.checkpoint_min_gap}")
         if self.policy not in ("nr", "wr") or self.quant not in ("none", "int8") or self.layout not in ("ragged", "padded"):
             raise ValueError(f"bad dasc settings: policy {self.policy!r}, quant {self.quant!r}, layout {self.layout!r}")
         if self.w_max is not None and self.w_max < 0:

@@ -160,6 +160,13 @@ class Engine:
         seq.kv_slots = torch.cat([res.slots, seq.kv_slots[pos:]])
         self.cache.store_checkpoint(res.node, write, kind)
 
+    def _checkpoint_close_behind(self, seq: Sequence) -> bool:
+        """Whether the sequence's deepest tree node holds a checkpoint fewer than `checkpoint_min_gap` tokens
+        behind its end: then a generation-end checkpoint would nearly duplicate it (a one-token answer would
+        store two almost equal states per request) and the next turn replays those few tokens instead."""
+        return (seq.node is not None and seq.node.checkpoint is not None
+                and seq.num_computed - seq.num_shared < self.cfg.checkpoint_min_gap)
+
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
         if seq.first_token_time is None:
@@ -191,7 +198,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         if (store and self.cfg.enable_cache and self.cfg.store_generation_end and seq.status is Status.RUNNING
-                and seq.num_computed > seq.num_shared):
+                and seq.num_computed > seq.num_shared and not self._checkpoint_close_behind(seq)):
             slot = seq.state_slot
             self._store(seq, seq.num_computed, "generation_end", lambda ckpt: self.worker.store(slot, ckpt))
         self.scheduler.release(seq)

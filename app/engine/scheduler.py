@@ -119,16 +119,20 @@ class Scheduler:
         self.running.append(seq)
 
     def _plan_cuts(self, seq: Sequence, match) -> dict[int, str]:
-        """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch point,
-        the prompt end (admission permitting) and, for n > 1, the fork point."""
+        """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch points (where
+        the KV match ends, and a stateless fork on the matched path; each unless the loaded checkpoint is
+        fewer than `checkpoint_min_gap` tokens above it), the prompt end (admission permitting) and, for n > 1,
+        the fork point of the request's own samples."""
         cuts: dict[int, str] = {}
         prompt_end = seq.prompt_len - 1
         if self.cfg.enable_cache:
             if self.cfg.interval:
                 first = (seq.num_computed // self.cfg.interval + 1) * self.cfg.interval
                 cuts.update({p: "interval" for p in range(first, prompt_end + 1, self.cfg.interval)})
-            if match is not None and seq.num_computed < match.kv_len <= prompt_end:
-                cuts[match.kv_len] = "branch"
+            if match is not None:
+                for pos in (match.fork_len, match.kv_len):
+                    if pos and seq.num_computed + self.cfg.checkpoint_min_gap <= pos <= prompt_end:
+                        cuts[pos] = "branch"
             if prompt_end > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:prompt_end]):
                 cuts[prompt_end] = "prompt_end"
         if seq.params.n > 1 and seq.index == 0 and prompt_end > seq.num_computed:
