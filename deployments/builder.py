@@ -39,6 +39,7 @@ class EngineArgs(_Strict):
     interval: int = Field(0, description="checkpoint every N tokens (0: prompt ends, branches, ends)")
     admission: str = Field("always", description="always | second_hit")
     eviction: str = Field("lru", description="lru | flop_aware")
+    checkpoint_min_gap: int = Field(16, description="skip branch/generation-end checkpoints closer than this")
     w_max: float | None = Field(None, description="None: dense checkpoints; a number: dasc W_max")
     policy: str = Field("nr", description="nr | wr")
     quant: str = Field("none", description="none | int8")
