@@ -80,7 +80,7 @@ class Engine:
         """Raise ValueError for a request this engine cannot serve (reads no mutable state)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.model.config.vocab_size:
             raise ValueError("prompt token ids must be in [0, vocab_size)")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
