@@ -61,6 +61,7 @@ class ControllerArgs(_Strict):
     max_w_nr: float = Field(128, description="largest W_max the controller may use with nr")
     max_w_wr: float = Field(512, description="largest W_max the controller may use with wr")
     trial_windows: int = 2
+    warmup_windows: int = 1
     min_requests: int = 4
     hysteresis: float = 0.05
     cooldown_windows: int = 10
@@ -94,7 +95,8 @@ def build_app(args: dict) -> Application:
         raise ValueError(f"router.kind must be one of {sorted(ROUTERS)}, got {cfg.router.kind!r}")
     c = cfg.controller
     knobs = {"max_w_nr": c.max_w_nr, "max_w_wr": c.max_w_wr, "interval": cfg.engine.interval,
-             "trial_windows": c.trial_windows, "min_requests": c.min_requests, "hysteresis": c.hysteresis,
+             "trial_windows": c.trial_windows, "warmup_windows": c.warmup_windows, "min_requests": c.min_requests,
+             "hysteresis": c.hysteresis,
              "cooldown_windows": c.cooldown_windows}
     initial = {"w_max": cfg.engine.w_max, "policy": cfg.engine.policy, "interval": cfg.engine.interval}
     controller = {"enabled": c.enabled, "window_s": c.window_s,

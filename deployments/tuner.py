@@ -8,7 +8,10 @@ checkpoint occupancy, evictions and wr replay time.
 - Under cache pressure (evictions, or occupancy at or above `pressure_occupancy`) and with no trial running,
   the next rung above the current setting is tried on ONE replica (the trial replica) while the others keep
   the current setting (the control).
-- After `trial_windows` windows with at least `min_requests` requests each, the trial replica's mean TTFT is
+- The first `warmup_windows` windows of a trial are not judged: a new W_max starts from an emptied
+  checkpoint cache (a layout change drops the old checkpoints), so its first window measures refilling,
+  not the setting (the control's windows of that period are skipped too).
+- After `trial_windows` further windows with at least `min_requests` requests each, the trial replica's mean TTFT is
   compared with the control's over the same windows (with a single replica: with its own windows just before
   the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
   rejected and not retried for `cooldown_windows` windows (hysteresis both ways: no flapping).
@@ -39,6 +42,7 @@ class TunerKnobs:
     w_values: tuple[float, ...] = (16, 64, 128, 512, 1024)
     interval: int = 0
     trial_windows: int = 2
+    warmup_windows: int = 1
     min_requests: int = 4
     hysteresis: float = 0.05
     pressure_occupancy: float = 0.95
@@ -71,6 +75,7 @@ class Trial:
     replica: str
     ttft: list[float] = field(default_factory=list)
     control: list[float] = field(default_factory=list)
+    ticks: int = 0  # windows closed since the trial started
 
 
 class Tuner:
@@ -133,6 +138,9 @@ class Tuner:
 
     def _judge(self, usable: list[Window]) -> str | None:
         t = self.trial
+        t.ticks += 1
+        if t.ticks <= self.knobs.warmup_windows:
+            return None
         for w in usable:
             (t.ttft if w.replica == t.replica else t.control).append(w.ttft_mean_s)
         if len(t.ttft) < self.knobs.trial_windows:

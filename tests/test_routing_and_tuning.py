@@ -66,7 +66,7 @@ def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):
 
 
 def test_tuner_trials_under_pressure_and_promotes_a_winner():
-    t = Tuner(TunerKnobs(max_w_nr=64, max_w_wr=512, trial_windows=2, hysteresis=0.05))
+    t = Tuner(TunerKnobs(max_w_nr=64, max_w_wr=512, trial_windows=2, warmup_windows=0, hysteresis=0.05))
     v, s = t.assignment("r0")
     t.assignment("r1")
     assert s == Setting(None) and v == 1
@@ -86,7 +86,7 @@ def test_tuner_trials_under_pressure_and_promotes_a_winner():
 
 
 def test_tuner_rejects_a_loser_with_cooldown_and_ignores_stale_windows():
-    t = Tuner(TunerKnobs(trial_windows=2, cooldown_windows=3))
+    t = Tuner(TunerKnobs(trial_windows=2, warmup_windows=0, cooldown_windows=3))
     t.assignment("r0"), t.assignment("r1")
     t.report(_window("r0", 1, 0.2))
     assert t.tick() == "trial nr-W16"
@@ -109,8 +109,20 @@ def test_tuner_respects_operator_caps_and_needs_pressure():
     assert t.tick() is None and t.trial is None
 
 
+def test_trial_warmup_window_is_not_judged():
+    """The window right after the switch refills an emptied cache (slow); only the windows after it count."""
+    t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=1))
+    t.assignment("r0")
+    t.report(_window("r0", 1, 0.30))
+    assert t.tick() == "trial nr-W16"
+    t.report(_window("r0", 2, 0.60))  # refilling: worse than dense, ignored
+    assert t.tick() is None and t.trial is not None
+    t.report(_window("r0", 2, 0.10))
+    assert t.tick() == "promote nr-W16"
+
+
 def test_single_replica_compares_with_its_own_history():
-    t = Tuner(TunerKnobs(trial_windows=1))
+    t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=0))
     t.assignment("r0")
     t.report(_window("r0", 1, 0.30))
     assert t.tick() == "trial nr-W16"

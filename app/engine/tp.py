@@ -1,4 +1,5 @@
-"""Tensor parallelism: one process per rank (torch.distributed, gloo on CPU, NCCL on CUDA), driven by rank 0.
+"""Tensor parallelism: one process per rank (torch.distributed over gloo; NCCL comes with CUDA placement of
+the engine), driven by rank 0.
 
 Rank 0 is the engine's process. `TPGroup` starts ranks 1..T-1, shards the model on every rank
 (`app.models.shard`; stage 1 of TP-balanced placement permutes head bundles there), and offers the same
@@ -101,7 +102,9 @@ def _serve_rank(rank: int, tp: int, port: int, model_dir: str, cfg: EngineConfig
 
 
 def _init(rank: int, tp: int, port: int) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # The engine's tensors live on the CPU (CUDA placement of the model and pools is not wired yet), and NCCL
+    # only moves CUDA tensors: gloo until the engine runs on a device.
+    backend = "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
                             timeout=timedelta(minutes=10))
 
