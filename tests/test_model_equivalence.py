@@ -145,3 +145,23 @@ def test_save_load_round_trip(pair, tmp_path):
         a, b = ours.forward_train(ids), again.forward_train(ids)
     assert torch.equal(a, b)
     assert (a - _ref_logits(ref2, ids)).abs().max().item() < TOL
+
+
+def test_mla_absorbed_decode_equals_expanded_attention():
+    """The batched decode path attends on MLA's latent entries (kv_b_proj folded into q and the output);
+    it must equal expanding every cached entry to per-head keys and values, with ragged history lengths."""
+    from app.models.layers import _padded_decode_attention
+    from app.models.loader import resolve_model_dir
+
+    model = load_model(resolve_model_dir("kda-tiny"))
+    mla = next(layer.mixer for layer in model.model.layers if not layer.mixer.is_linear)
+    g = torch.Generator().manual_seed(0)
+    b, s = 5, 37
+    q = torch.randn(b, mla.heads, mla.nope + mla.rope, generator=g)
+    history = torch.randn(b, s, mla.kv_entry_width, generator=g)
+    mask = torch.arange(s)[None, :] < torch.tensor([1, 9, 20, 36, 37])[:, None]
+    k, v = mla._expand(history.flatten(0, 1))
+    ref = _padded_decode_attention(q, k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:]),
+                                   mask[:, None, None, :], mla.scale)
+    got = mla._absorbed_decode(q, history, mask)
+    assert (got - ref).abs().max().item() < 1e-5

@@ -189,12 +189,25 @@ class KimiMLA(nn.Module):
         k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, self.heads, -1)], dim=-1)
         return k, v
 
+    def _absorbed_decode(self, q: torch.Tensor, history: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Decode attention on the latent entries (MLA weight absorption): q [B, H, nope + rope], history
+        [B, S, rank + rope], mask [B, S] -> [B, H, v_dim]. kv_b_proj's key half is folded into the query and its
+        value half applied once to the attended latent, so cached entries are never expanded per head."""
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [H, nope, rank], [H, v_dim, rank]
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rot = history.split([self.rank, self.rope], dim=-1)  # [B, S, rank], [B, S, rope]
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_k)
+        scores = (q_lat @ latent.transpose(1, 2) + q_rot @ k_rot.transpose(1, 2)) * self.scale  # [B, H, S]
+        probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(dim=-1)
+        return torch.einsum("bhr,hvr->bhv", probs @ latent, w_v)
+
     def forward(self, x: torch.Tensor, layout: BatchLayout, kv: AttentionKV | None, layer_idx: int):
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(-1, self.heads, self.nope + self.rope)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         entries = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)
-        out = attend(layer_idx, q, entries, layout, kv, self._expand, self.scale)
+        out = attend(layer_idx, q, entries, layout, kv, self._expand, self.scale, self._absorbed_decode)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

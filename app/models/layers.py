@@ -140,11 +140,14 @@ def attend(
     kv: AttentionKV | None,
     expand,
     scale: float,
+    absorbed_decode=None,
 ) -> torch.Tensor:
     """Attention for a flat batch through the KV interface.
 
     q: [N, H, Dq]; entries: [N, W] this layer's per-token KV entries; expand(entries [S, W]) -> (k, v).
-    Without `kv` the layout must be uniform with nothing cached (training, whole-prompt reference runs).
+    absorbed_decode(q [B, H, Dq], history [B, S, W], mask [B, S]) -> [B, H, Dv], optional: attention of a
+    batch of decode steps computed on the entries themselves (MLA's absorbed form), instead of expanding
+    every cached entry. Without `kv` the layout must be uniform with nothing cached (training, reference runs).
     """
     if kv is None:
         b, t = layout.num_seqs, layout.extend_lens[0]
@@ -160,12 +163,15 @@ def attend(
     if len(decode) > 1:  # one padded batch for every single-token sequence
         rows = layout.last_token_index[decode]
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
-        k, v = expand(history.flatten(0, 1))
         b, s_max = history.shape[:2]
-        k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
         lengths = torch.tensor([layout.cached_lens[i] + 1 for i in decode])
-        mask = (torch.arange(s_max)[None, :] < lengths[:, None])[:, None, None, :]
-        out[rows] = _padded_decode_attention(q[rows], k, v, mask, scale)
+        mask = torch.arange(s_max)[None, :] < lengths[:, None]  # [B, S_max]
+        if absorbed_decode is not None:
+            out[rows] = absorbed_decode(q[rows], history, mask)
+        else:
+            k, v = expand(history.flatten(0, 1))
+            k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
+            out[rows] = _padded_decode_attention(q[rows], k, v, mask[:, None, None, :], scale)
         decode = set(decode)
     else:
         decode = set()
