@@ -62,6 +62,7 @@ class ControllerArgs(_Strict):
     max_w_wr: float = Field(512, description="largest W_max the controller may use with wr")
     trial_windows: int = 2
     warmup_windows: int = 1
+    refill_windows: int = 3
     min_requests: int = 4
     hysteresis: float = 0.05
     cooldown_windows: int = 10
@@ -95,7 +96,8 @@ def build_app(args: dict) -> Application:
         raise ValueError(f"router.kind must be one of {sorted(ROUTERS)}, got {cfg.router.kind!r}")
     c = cfg.controller
     knobs = {"max_w_nr": c.max_w_nr, "max_w_wr": c.max_w_wr, "interval": cfg.engine.interval,
-             "trial_windows": c.trial_windows, "warmup_windows": c.warmup_windows, "min_requests": c.min_requests,
+             "trial_windows": c.trial_windows, "warmup_windows": c.warmup_windows,
+             "refill_windows": c.refill_windows, "min_requests": c.min_requests,
              "hysteresis": c.hysteresis,
              "cooldown_windows": c.cooldown_windows}
     initial = {"w_max": cfg.engine.w_max, "policy": cfg.engine.policy, "interval": cfg.engine.interval}

@@ -9,8 +9,9 @@ checkpoint occupancy, evictions and wr replay time.
   the next rung above the current setting is tried on ONE replica (the trial replica) while the others keep
   the current setting (the control).
 - The first `warmup_windows` windows of a trial are not judged: a new W_max starts from an emptied
-  checkpoint cache (a layout change drops the old checkpoints), so its first window measures refilling,
-  not the setting (the control's windows of that period are skipped too).
+  checkpoint cache (a layout change drops the old checkpoints), so those windows measure refilling, not the
+  setting (the control's windows of that period are skipped too). Warm-up goes on, for at most
+  `refill_windows` more windows, while the trial replica's hit rate is still below its own before the trial.
 - After `trial_windows` further windows with at least `min_requests` requests each, the trial replica's mean TTFT is
   compared with the control's over the same windows (with a single replica: with its own windows just before
   the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
@@ -43,6 +44,7 @@ class TunerKnobs:
     interval: int = 0
     trial_windows: int = 2
     warmup_windows: int = 1
+    refill_windows: int = 3
     min_requests: int = 4
     hysteresis: float = 0.05
     pressure_occupancy: float = 0.95
@@ -76,6 +78,7 @@ class Trial:
     ttft: list[float] = field(default_factory=list)
     control: list[float] = field(default_factory=list)
     ticks: int = 0  # windows closed since the trial started
+    baseline_hit: float | None = None  # the trial replica's hit rate before the trial
 
 
 class Tuner:
@@ -88,6 +91,7 @@ class Tuner:
         self.window_index = 0
         self.pending: list[Window] = []
         self.history: dict[str, list[float]] = {}  # per replica, TTFT of recent windows on the current setting
+        self.hits: dict[str, list[float]] = {}  # per replica, hit rate of the same windows
         self.decisions: list[dict] = []
         self.replicas: set[str] = set()
 
@@ -116,6 +120,7 @@ class Tuner:
         for w in usable:
             self.history.setdefault(w.replica, []).append(w.ttft_mean_s)
             self.history[w.replica] = self.history[w.replica][-self.knobs.trial_windows:]
+            self.hits[w.replica] = (self.hits.get(w.replica, []) + [w.hit_rate])[-self.knobs.trial_windows:]
         if any(w.evictions > 0 or w.occupancy >= self.knobs.pressure_occupancy for w in windows):
             return self._start_trial()
         return None
@@ -124,7 +129,9 @@ class Tuner:
         nxt = self._next_rung()
         if nxt is None or not self.replicas:
             return None
-        self.trial = Trial(nxt, sorted(self.replicas)[0])
+        replica = sorted(self.replicas)[0]
+        before = self.hits.get(replica)
+        self.trial = Trial(nxt, replica, baseline_hit=statistics.fmean(before) if before else None)
         self.version += 1
         return self._log("trial", nxt)
 
@@ -141,6 +148,10 @@ class Tuner:
         t.ticks += 1
         if t.ticks <= self.knobs.warmup_windows:
             return None
+        refilling = [w for w in usable if w.replica == t.replica and t.baseline_hit is not None
+                     and w.hit_rate < t.baseline_hit]
+        if refilling and not t.ttft and t.ticks <= self.knobs.warmup_windows + self.knobs.refill_windows:
+            return None
         for w in usable:
             (t.ttft if w.replica == t.replica else t.control).append(w.ttft_mean_s)
         if len(t.ttft) < self.knobs.trial_windows:
@@ -150,7 +161,7 @@ class Tuner:
         self.version += 1
         if control and statistics.fmean(t.ttft) < statistics.fmean(control) * (1 - self.knobs.hysteresis):
             self.current = t.setting
-            self.history = {}
+            self.history, self.hits = {}, {}
             return self._log("promote", t.setting, trial_ttft=statistics.fmean(t.ttft),
                              control_ttft=statistics.fmean(control))
         self.cooldown[t.setting] = self.window_index + self.knobs.cooldown_windows

@@ -121,6 +121,30 @@ def test_trial_warmup_window_is_not_judged():
     assert t.tick() == "promote nr-W16"
 
 
+def test_trial_waits_while_its_hit_rate_is_refilling():
+    """After the warm-up window, windows whose hit rate is still below the pre-trial one are not judged
+    either, for at most refill_windows; then the trial is judged whatever its hit rate."""
+    t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=1, refill_windows=2))
+    t.assignment("r0")
+    t.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3))
+    assert t.tick() == "trial nr-W16"
+    t.report(Window("r0", 2, 10, 0.90, 0.0, 0.3, 0))  # warm-up
+    assert t.tick() is None
+    t.report(Window("r0", 2, 10, 0.50, 0.2, 0.6, 0))  # still refilling: hit rate below 0.5
+    assert t.tick() is None
+    t.report(Window("r0", 2, 10, 0.10, 0.9, 1.0, 0))
+    assert t.tick() == "promote nr-W16"
+    slow = Tuner(TunerKnobs(trial_windows=1, warmup_windows=1, refill_windows=1))
+    slow.assignment("r0")
+    slow.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3))
+    slow.tick()
+    for _ in range(2):
+        slow.report(Window("r0", 2, 10, 0.60, 0.1, 1.0, 3))
+        assert slow.tick() is None
+    slow.report(Window("r0", 2, 10, 0.60, 0.1, 1.0, 3))  # refill allowance spent: judged, and it loses
+    assert slow.tick() == "reject nr-W16"
+
+
 def test_single_replica_compares_with_its_own_history():
     t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=0))
     t.assignment("r0")
