@@ -90,8 +90,7 @@ class Tuner:
         self.cooldown: dict[Setting, int] = {}
         self.window_index = 0
         self.pending: list[Window] = []
-        self.history: dict[str, list[float]] = {}  # per replica, TTFT of recent windows on the current setting
-        self.hits: dict[str, list[float]] = {}  # per replica, hit rate of the same windows
+        self.recent: dict[str, list[Window]] = {}  # per replica, its last windows on the current setting
         self.decisions: list[dict] = []
         self.replicas: set[str] = set()
 
@@ -118,9 +117,7 @@ class Tuner:
         if self.trial is not None:
             return self._judge(usable)
         for w in usable:
-            self.history.setdefault(w.replica, []).append(w.ttft_mean_s)
-            self.history[w.replica] = self.history[w.replica][-self.knobs.trial_windows:]
-            self.hits[w.replica] = (self.hits.get(w.replica, []) + [w.hit_rate])[-self.knobs.trial_windows:]
+            self.recent[w.replica] = (self.recent.get(w.replica, []) + [w])[-self.knobs.trial_windows:]
         if any(w.evictions > 0 or w.occupancy >= self.knobs.pressure_occupancy for w in windows):
             return self._start_trial()
         return None
@@ -130,8 +127,8 @@ class Tuner:
         if nxt is None or not self.replicas:
             return None
         replica = sorted(self.replicas)[0]
-        before = self.hits.get(replica)
-        self.trial = Trial(nxt, replica, baseline_hit=statistics.fmean(before) if before else None)
+        before = self.recent.get(replica)
+        self.trial = Trial(nxt, replica, baseline_hit=statistics.fmean(w.hit_rate for w in before) if before else None)
         self.version += 1
         return self._log("trial", nxt)
 
@@ -148,20 +145,20 @@ class Tuner:
         t.ticks += 1
         if t.ticks <= self.knobs.warmup_windows:
             return None
-        refilling = [w for w in usable if w.replica == t.replica and t.baseline_hit is not None
-                     and w.hit_rate < t.baseline_hit]
+        refilling = t.baseline_hit is not None and any(w.replica == t.replica and w.hit_rate < t.baseline_hit
+                                                       for w in usable)
         if refilling and not t.ttft and t.ticks <= self.knobs.warmup_windows + self.knobs.refill_windows:
             return None
         for w in usable:
             (t.ttft if w.replica == t.replica else t.control).append(w.ttft_mean_s)
         if len(t.ttft) < self.knobs.trial_windows:
             return None
-        control = t.control or self.history.get(t.replica, [])
+        control = t.control or [w.ttft_mean_s for w in self.recent.get(t.replica, [])]
         self.trial = None
         self.version += 1
         if control and statistics.fmean(t.ttft) < statistics.fmean(control) * (1 - self.knobs.hysteresis):
             self.current = t.setting
-            self.history, self.hits = {}, {}
+            self.recent = {}
             return self._log("promote", t.setting, trial_ttft=statistics.fmean(t.ttft),
                              control_ttft=statistics.fmean(control))
         self.cooldown[t.setting] = self.window_index + self.knobs.cooldown_windows

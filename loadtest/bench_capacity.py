@@ -38,7 +38,7 @@ from app.models.batch import BatchLayout, ContiguousKV
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.bench_engine import corpus_ids
-from loadtest.common import header, save, table
+from loadtest.common import append_section, header, save, table
 
 W_MAXES = (16, 64, 128, 512)
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -208,9 +208,7 @@ def main(argv=None) -> None:
     if args.plot:
         _plot(results, args.plot)
         md += f"\n\n![capacity]({args.plot.split('/', 1)[-1] if args.plot.startswith('docs/') else args.plot})\n"
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + md + "\n")
+    append_section(args.out, md)
 
 
 def _pool(rows: list[dict], weights: list[int]) -> dict:

@@ -14,7 +14,7 @@ import json
 import random
 import time
 
-from loadtest.common import header, save, table
+from loadtest.common import append_section, header, save, table
 from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
 
 STATIC = ({"w_max": None}, {"w_max": 16}, {"w_max": 64}, {"w_max": 128}, {"w_max": 512, "policy": "wr"})
@@ -83,9 +83,7 @@ def main(argv=None) -> None:
            f"vs worst static ({worst['arm']}): {ctrl['ttft_mean_ms'] / worst['ttft_mean_ms']:.2f}x.\n")
     print(md)
     save("bench_controller", {"config": vars(args), "rows": rows})
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + md + "\n")
+    append_section(args.out, md)
 
 
 if __name__ == "__main__":

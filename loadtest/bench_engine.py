@@ -24,7 +24,7 @@ from app.models.batch import BatchLayout, ContiguousKV
 from app.models.corpus import read_source, split_files, stdlib_files
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
-from loadtest.common import header, median, save, table, timed
+from loadtest.common import append_section, header, median, save, table, timed
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -151,9 +151,7 @@ def main(argv=None) -> None:
                   r["ours_tok_s"] / hf_single if hf_single else "-"] for r in decode_rows])
     print(md)
     save(f"bench_engine_{args.model}", {"config": config, "ttft": ttft_rows, "decode": decode_rows})
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + md + "\n")
+    append_section(args.out, md)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from loadtest.common import header, save, table
+from loadtest.common import append_section, header, save, table
 from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
 
 KINDS = ("prefix", "pow2", "prefix_affinity")
@@ -55,9 +55,7 @@ def main(argv=None) -> None:
                          "/".join(map(str, r["requests_per_replica"]))] for r in rows])
     print(md)
     save("bench_router", {"config": vars(args), "rows": rows})
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + md + "\n")
+    append_section(args.out, md)
 
 
 if __name__ == "__main__":

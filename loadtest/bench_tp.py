@@ -24,7 +24,7 @@ from app.dasc.placement import traffic_bytes
 from app.engine.config import EngineConfig
 from app.engine.tp import build_engine
 from app.models.loader import load_model
-from loadtest.common import header, save, table
+from loadtest.common import append_section, header, save, table
 
 
 def time_store_load(engine, repeats: int) -> tuple[float, float]:
@@ -101,9 +101,7 @@ def main(argv=None) -> None:
     md += "```\n" + kimi_text.strip() + "\n```\n"
     print(md)
     save("bench_tp", {"config": vars(args), "rows": rows, "kimi_tp8": kimi})
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + md + "\n")
+    append_section(args.out, md)
 
 
 if __name__ == "__main__":

@@ -57,3 +57,10 @@ def header(title: str, config: dict) -> str:
     m = machine()
     return (f"## {title}\n\nMachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
             f"({m['torch_threads']} threads), Python {m['python']}.\nConfig: `{json.dumps(config)}`\n")
+
+
+def append_section(path: str | None, md: str) -> None:
+    """Append a benchmark's markdown section to `path` (the --out file, usually docs/benchmarks.md), if given."""
+    if path:
+        with open(path, "a") as f:
+            f.write("\n" + md + "\n")

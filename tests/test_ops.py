@@ -21,6 +21,7 @@ from app.ops import (
     chunk_gdn,
     chunk_kda,
     chunk_states_at,
+    conv_states_at,
     l2norm,
     naive_causal_conv1d,
     naive_gdn,
@@ -256,6 +257,16 @@ def test_conv_two_pieces_equal_one(fn):
     y2, s2 = fn(x[:, 2:], weight, b, s1)
     assert_close("y", y_all, torch.cat([y1, y2], dim=1), 1e-6)
     assert torch.equal(s_all, s2)
+
+
+def test_conv_states_at_equal_prefix_runs():
+    """The carried state after t inputs equals causal_conv1d's final state on x[:, :t], from zeros or a state."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 9, 6, generator=g), torch.randn(6, 4, generator=g)
+    for state in (None, torch.randn(2, 6, 3, generator=g)):
+        at = [1, 2, 5, 8]
+        for t, got in zip(at, conv_states_at(x, w, state, at)):
+            assert torch.equal(got, causal_conv1d(x[:, :t], w, None, state)[1])
 
 
 def test_conv_grads_match_naive():

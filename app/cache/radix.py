@@ -226,16 +226,11 @@ class RadixTree:
 
 
 def _common(edge: list[int], tokens: list[int], pos: int) -> int:
-    """Length of the common prefix of edge and tokens[pos:]; whole-slice compares (C speed) narrow it down."""
-    lo, hi = 0, min(len(edge), len(tokens) - pos)
-    if edge[:hi] == tokens[pos : pos + hi]:
-        return hi
-    while hi - lo > 16:  # invariant: edge[:lo] matches, edge[:hi] does not
-        mid = (lo + hi) // 2
-        if edge[lo:mid] == tokens[pos + lo : pos + mid]:
-            lo = mid
-        else:
-            hi = mid
-    while lo < hi and edge[lo] == tokens[pos + lo]:
-        lo += 1
-    return lo
+    """Length of the common prefix of edge and tokens[pos:]; a whole-slice compare (C speed) settles the
+    usual case, a full match, before any per-token loop."""
+    n, limit = 0, min(len(edge), len(tokens) - pos)
+    if edge[:limit] == tokens[pos : pos + limit]:
+        return limit
+    while edge[n] == tokens[pos + n]:
+        n += 1
+    return n

@@ -140,25 +140,25 @@ class Engine:
         at its end from the state itself; and aligned decode intervals."""
         end = seq.num_computed
         for pos in sorted(p for p in seq.cuts if start < p <= end):
-            kind = seq.cuts.pop(pos)
-            slot = seq.state_slot
-            if pos == end:
-                self._store(seq, pos, kind, lambda ckpt: self.worker.store(slot, ckpt))
-            else:
-                self._store(seq, pos, kind, lambda ckpt, k=pos - start: self.worker.store_snapshot(slot, k, ckpt))
+            self._store(seq, pos, seq.cuts.pop(pos), snapshot_at=None if pos == end else pos - start)
         if (self.cfg.enable_cache and self.cfg.interval and end % self.cfg.interval == 0 and end >= seq.prompt_len
                 and seq.num_shared < end):
-            slot = seq.state_slot
-            self._store(seq, end, "interval", lambda ckpt: self.worker.store(slot, ckpt))
+            self._store(seq, end, "interval")
 
-    def _store(self, seq: Sequence, pos: int, kind: str, write) -> None:
-        """Insert the sequence's KV up to `pos` into the tree and store a checkpoint there with `write`."""
+    def _store(self, seq: Sequence, pos: int, kind: str, snapshot_at: int | None = None) -> None:
+        """Insert the sequence's KV up to `pos` into the tree and store a checkpoint there: its current state,
+        or the state the last step captured `snapshot_at` tokens into its piece."""
         res = self.cache.insert(seq.tokens[:pos], seq.kv_slots[:pos])
         self.cache.lock(res.node)
         self.cache.unlock(seq.node)
         seq.node, seq.num_shared = res.node, pos
         seq.kv_slots = torch.cat([res.slots, seq.kv_slots[pos:]])
-        self.cache.store_checkpoint(res.node, write, kind)
+        slot = seq.state_slot
+        if snapshot_at is None:
+            self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store(slot, ckpt), kind)
+        else:
+            self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store_snapshot(slot, snapshot_at, ckpt),
+                                        kind)
 
     def _checkpoint_close_behind(self, seq: Sequence) -> bool:
         """Whether the sequence's deepest tree node holds a checkpoint fewer than `checkpoint_min_gap` tokens
@@ -199,8 +199,7 @@ class Engine:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
         if (store and self.cfg.enable_cache and self.cfg.store_generation_end and seq.status is Status.RUNNING
                 and seq.num_computed > seq.num_shared and not self._checkpoint_close_behind(seq)):
-            slot = seq.state_slot
-            self._store(seq, seq.num_computed, "generation_end", lambda ckpt: self.worker.store(slot, ckpt))
+            self._store(seq, seq.num_computed, "generation_end")
         self.scheduler.release(seq)
         seq.status = Status.FINISHED
         if seq.admitted_once:

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from app.models.batch import BatchLayout
-from app.ops import causal_conv1d, chunk_gdn, chunk_kda, chunk_states_at, naive_gdn, naive_kda
+from app.ops import causal_conv1d, chunk_gdn, chunk_kda, chunk_states_at, conv_states_at, naive_gdn, naive_kda
 
 # split(conv_out [G, T, C]) -> q [G, T, H, K], k [G, T, H, K], v [G, T, H, V] (q, k already l2-normalised)
 SplitQKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -113,7 +113,7 @@ def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channe
     t = x.shape[1]
     if at:
         o, s, ssm_at = chunk_states_at(at, q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size)
-        return o.reshape(-1, *o.shape[2:]), conv_new, s, _conv_states_at(x, conv_weight, conv_state, at), ssm_at
+        return o.reshape(-1, *o.shape[2:]), conv_new, s, conv_states_at(x, conv_weight, conv_state, at), ssm_at
     if per_channel_gate:
         o, s = (naive_kda(q, k, v, g, beta, initial_state=ssm_state) if t == 1
                 else chunk_kda(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
@@ -121,14 +121,3 @@ def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channe
         o, s = (naive_gdn(q, k, v, g, beta, initial_state=ssm_state) if t == 1
                 else chunk_gdn(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
     return o.reshape(-1, *o.shape[2:]), conv_new, s
-
-
-def _conv_states_at(x, conv_weight, conv_state, at) -> torch.Tensor:
-    """The conv state after t inputs is the W-1 raw inputs before position t of concat(state, x)."""
-    w = conv_weight.shape[-1] - 1
-    xs = x.transpose(1, 2)
-    if conv_state is not None:
-        xs = torch.cat([conv_state.to(x.dtype), xs], dim=-1)
-    else:
-        xs = torch.cat([xs.new_zeros(*xs.shape[:2], w), xs], dim=-1)
-    return torch.stack([xs[..., t : t + w] for t in at])

@@ -9,7 +9,7 @@ q/k and v share the head count H: Qwen3-Next's grouped value heads are expanded 
 import torch
 
 from app.ops.chunk import chunk_gdn, chunk_kda, chunk_states_at
-from app.ops.conv import causal_conv1d, naive_causal_conv1d
+from app.ops.conv import causal_conv1d, conv_states_at, naive_causal_conv1d
 from app.ops.naive import naive_gdn, naive_kda
 
 
@@ -23,6 +23,7 @@ __all__ = [
     "chunk_gdn",
     "chunk_kda",
     "chunk_states_at",
+    "conv_states_at",
     "l2norm",
     "naive_causal_conv1d",
     "naive_gdn",

@@ -61,6 +61,16 @@ def naive_causal_conv1d(
     return _finish(y, activation, x.dtype), xs[:, :, xs.shape[-1] - (W - 1) :]
 
 
+def conv_states_at(
+    x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None, at
+) -> torch.Tensor:
+    """The carried states after the first t inputs, for t in `at`: [len(at), B, C, W-1], each the W-1 raw
+    inputs before position t of concat(state, x) (what `causal_conv1d` on x[:, :t] would return)."""
+    xs = _with_state(x, weight, initial_state)
+    w = weight.shape[-1] - 1
+    return torch.stack([xs[:, :, t : t + w] for t in at])
+
+
 def _with_state(x, weight, initial_state):
     """[B, T, C] x and [B, C, W-1] state (zeros when None) -> [B, C, W-1+T]."""
     B, T, C = x.shape
