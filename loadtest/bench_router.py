@@ -4,7 +4,7 @@ One run, same workload and seed, three request routers in front of 2 replicas of
 controller off): ours (prefix-aware, digests of held checkpoints), Ray's default power-of-two choices, and
 Ray's PrefixCacheAffinityRouter (text-prefix tree). Workload (few-shot style): `groups` long shared headers
 with short distinct queries; a warm-up pass, then the timed pass with new queries on the same headers, so
-every hit comes from a header checkpoint. The budget holds about 16 dense checkpoints per replica: enough for
+every hit comes from a header checkpoint. The budget holds about 18 dense checkpoints per replica: enough for
 half of the headers plus the traffic's prompt-end checkpoints, not for all of them, which is where
 steering each header to one replica pays. Each request asks for one token (latency = TTFT). Reported:
 token-weighted hit rate, mean and p90 TTFT, requests per replica.

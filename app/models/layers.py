@@ -105,7 +105,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_l
         k = k.repeat_interleave(h // k.shape[1], dim=1)
         v = v.repeat_interleave(h // v.shape[1], dim=1)
     # [1, H, T, D]: with a batch dim torch's CPU sdpa takes its fused flash kernel (3-D inputs take the
-    # unfused math path, about 10x slower on a 2048-token prefill)
+    # unfused math path; bench_engine's cold prefill at 2048 tokens halved with this)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     dv = vh.shape[-1]
     if t > 1 and dv < qh.shape[-1]:  # MLA (v narrower than q/k): the fused kernel wants equal head dims, so
