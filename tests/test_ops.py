@@ -4,6 +4,7 @@ Tolerances (relative RMS error, `err_ratio`), fp32, l2-normalised q/k, beta in (
     chunked vs naive, outputs and final states:   1e-5 mild decays, 2e-5 strong decays (g down to -20)
     naive vs transformers' recurrent torch paths: 1e-6
     gradients, chunked vs naive:                  1e-5
+    decode steps (step.py) vs naive at T=1:       1e-6
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from app.ops import (
     chunk_kda,
     chunk_states_at,
     conv_states_at,
+    conv_step,
+    gated_delta_step,
     l2norm,
     naive_causal_conv1d,
     naive_gdn,
@@ -87,6 +90,32 @@ CHUNK_CASES = [
     for init in (False, True)
     for decay in DECAYS
 ]
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("decay", list(DECAYS))
+@pytest.mark.parametrize("B, H, K, V", [(1, 2, 16, 16), (16, 4, 32, 32), (3, 2, 64, 32)], ids=lambda x: str(x))
+def test_decode_step_matches_naive(op, decay, B, H, K, V):
+    """Six successive `gated_delta_step`s from a random state equal the naive loop over the same 6 tokens."""
+    q, k, v, g, beta, S0 = make_inputs(op, B, 6, H, K, V, decay, init=True)
+    o_ref, S_ref = NAIVE[op](q, k, v, g, beta, initial_state=S0)
+    S, outs = S0, []
+    for t in range(6):
+        o, S = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        outs.append(o)
+    assert_close("o", o_ref, torch.stack(outs, dim=1), 1e-6)
+    assert_close("state", S_ref, S, 1e-6)
+
+
+def test_conv_step_matches_conv():
+    x, weight, _, s = _conv_inputs(4, 5, 24, 4, "state", False)
+    y_ref, s_ref = naive_causal_conv1d(x, weight, None, s, "silu")
+    ys = []
+    for t in range(5):
+        y, s = conv_step(x[:, t], weight, s)
+        ys.append(y)
+    assert_close("y", y_ref, torch.stack(ys, dim=1), 1e-6)
+    assert torch.equal(s_ref, s)
 
 
 @pytest.mark.parametrize("op, shape, init, decay", CHUNK_CASES)

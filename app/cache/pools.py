@@ -94,12 +94,12 @@ class StateStorage:
 
     def gather(self, slots: list[int]) -> LinearStates:
         idx = torch.tensor(slots, dtype=torch.long)
-        return LinearStates([c[idx] for c in self.conv], [s[idx] for s in self.ssm])
+        return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
 
     def scatter(self, slots: list[int], states: LinearStates) -> None:
         idx = torch.tensor(slots, dtype=torch.long)
         for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
-            dst[idx] = src.to(dst.dtype)
+            dst.index_copy_(0, idx, src.to(dst.dtype))
 
     def write(self, slot: int, state: LinearStates) -> None:
         """Copy a single-sequence state (batch 1) into `slot`: loading a checkpoint or forking."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from app.models.batch import AttentionKV, BatchLayout
 from app.models.hybrid import DecoderLayer, HybridForCausalLM
-from app.models.layers import MLP, Experts, RMSNorm, RMSNormGated, attend
+from app.models.layers import MLP, Experts, RMSNorm, RMSNormGated, attend, stacked_linear
 from app.models.recurrent import recurrent_mix
 from app.ops import l2norm
 
@@ -112,7 +112,11 @@ class KimiForgetGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> g: [N, H, K] fp32."""
-        a = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        return self.decay(self.f_b_proj(self.f_a_proj(x)))
+
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        """f_b_proj's output [N, H * K] -> g: [N, H, K] fp32."""
+        a = f.float() + self.dt_bias.float()
         return -self.A_log.float().exp().view(1, -1, 1) * F.softplus(a.view(-1, self.heads, self.head_dim))
 
 
@@ -145,12 +149,16 @@ class KimiDeltaAttention(nn.Module):
         return l2norm(q.reshape(shape).float()), l2norm(k.reshape(shape).float()), v.reshape(shape)
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, conv_state, ssm_state, chunk_size: int):
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        fg = self.forget_gate
+        dim = self.heads * self.head_dim
+        mixed, f_low, g_low, b = stacked_linear(
+            x, [self.q_proj, self.k_proj, self.v_proj, fg.f_a_proj, self.g_a_proj, self.b_proj]
+        ).split([3 * dim, fg.f_a_proj.weight.shape[0], self.g_a_proj.weight.shape[0], self.heads], dim=-1)
+        g = fg.decay(fg.f_b_proj(f_low))
+        beta = torch.sigmoid(b.float())
         out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
                                        self._split, True, chunk_size)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.heads, self.head_dim)
+        gate = self.g_b_proj(g_low).view(-1, self.heads, self.head_dim)
         out = self.o_norm(out.to(x.dtype), gate).reshape(x.shape[0], -1)
         return self.o_proj(out), conv, ssm, snaps
 
@@ -203,9 +211,14 @@ class KimiMLA(nn.Module):
         return torch.einsum("bhr,hvr->bhv", probs @ latent, w_v)
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, kv: AttentionKV | None, layer_idx: int):
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(-1, self.heads, self.nope + self.rope)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        if hasattr(self, "q_proj"):
+            q, latent, k_rot = stacked_linear(x, [self.q_proj, self.kv_a_proj_with_mqa]).split(
+                [self.q_proj.weight.shape[0], self.rank, self.rope], dim=-1)
+        else:
+            q_low, latent, k_rot = stacked_linear(x, [self.q_a_proj, self.kv_a_proj_with_mqa]).split(
+                [self.q_a_proj.weight.shape[0], self.rank, self.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_low))
+        q = q.reshape(-1, self.heads, self.nope + self.rope)
         entries = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)
         out = attend(layer_idx, q, entries, layout, kv, self._expand, self.scale, self._absorbed_decode)
         return self.o_proj(out.reshape(x.shape[0], -1))

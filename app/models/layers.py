@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,10 +11,23 @@ from torch import nn
 from app.models.batch import AttentionKV, BatchLayout
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, computed in fp32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def stacked_linear(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """[N, sum of out features]: the outputs of several bias-free linears of the same input x [N, D], side by side.
+
+    Without autograd this is one matmul over the stacked weights (a decode step is dispatch-bound: one call
+    instead of several), which costs one copy of those weights, kept on the first linear and rebuilt when any
+    weight changes (in place, as loading does, or replaced, as sharding does). With autograd each linear runs
+    on its own, so gradients reach the parameters as usual.
+    """
+    weights = [lin.weight for lin in linears]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return torch.cat([F.linear(x, w) for w in weights], dim=-1)
+    key = tuple((w.data_ptr(), w._version) for w in weights)
+    cached = getattr(linears[0], "_stacked", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat([w.detach() for w in weights]))
+        linears[0]._stacked = cached
+    return F.linear(x, cached[1])
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +41,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.float()
-        y = rms_normalize(x, self.eps) * ((1.0 + w) if self.unit_offset else w)
+        y = F.rms_norm(x.float(), w.shape, (1.0 + w) if self.unit_offset else w, self.eps)
         return y.to(x.dtype)
 
 
@@ -40,7 +55,7 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = rms_normalize(x, self.eps) * self.weight.float() * self.act(gate.float())
+        y = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps) * self.act(gate.float())
         return y.to(x.dtype)
 
 
@@ -54,7 +69,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_linear(x, [self.gate_proj, self.up_proj]).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -159,7 +175,7 @@ def attend(
         )
         return out.reshape(b * t, *out.shape[2:])
     decode = [i for i, n in enumerate(layout.extend_lens) if n == 1]
-    out = q.new_empty(q.shape[0], *_value_shape(q, entries, expand))
+    pieces = []  # (flat rows, their attention output)
     if len(decode) > 1:  # one padded batch for every single-token sequence
         rows = layout.last_token_index[decode]
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
@@ -167,11 +183,13 @@ def attend(
         lengths = torch.tensor([layout.cached_lens[i] + 1 for i in decode])
         mask = torch.arange(s_max)[None, :] < lengths[:, None]  # [B, S_max]
         if absorbed_decode is not None:
-            out[rows] = absorbed_decode(q[rows], history, mask)
+            pieces.append((rows, absorbed_decode(q[rows], history, mask)))
         else:
             k, v = expand(history.flatten(0, 1))
             k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
-            out[rows] = _padded_decode_attention(q[rows], k, v, mask[:, None, None, :], scale)
+            pieces.append((rows, _padded_decode_attention(q[rows], k, v, mask[:, None, None, :], scale)))
+        if len(decode) == layout.num_seqs:  # a pure decode step: rows are 0 .. B-1 in order
+            return pieces[0][1]
         decode = set(decode)
     else:
         decode = set()
@@ -179,14 +197,13 @@ def attend(
         if i in decode:
             continue
         k, v = expand(kv.extend(layer, i, entries[lo:hi]))
-        out[lo:hi] = causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)
+        pieces.append((torch.arange(lo, hi), causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)))
+    if len(pieces) == 1:
+        return pieces[0][1]
+    out = q.new_empty(q.shape[0], *pieces[0][1].shape[1:])
+    for rows, o in pieces:
+        out[rows] = o
     return out
-
-
-def _value_shape(q: torch.Tensor, entries: torch.Tensor, expand) -> tuple[int, int]:
-    """(heads, value dim) of the attention output, from expanding one entry."""
-    _, v = expand(entries[:1])
-    return q.shape[1], v.shape[-1]
 
 
 def _padded_decode_attention(q, k, v, mask, scale) -> torch.Tensor:

@@ -13,7 +13,8 @@ from torch import nn
 
 from app.models.batch import AttentionKV, BatchLayout
 from app.models.hybrid import DecoderLayer, HybridForCausalLM
-from app.models.layers import MLP, Experts, RMSNorm, RMSNormGated, apply_rotary, attend, rotary_cos_sin
+from app.models.layers import (MLP, Experts, RMSNorm, RMSNormGated, apply_rotary, attend, rotary_cos_sin,
+                               stacked_linear)
 from app.models.recurrent import recurrent_mix
 from app.ops import l2norm
 
@@ -118,9 +119,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, conv_state, ssm_state, chunk_size: int):
         n = x.shape[0]
-        qkvz = self.in_proj_qkvz(x).view(n, self.nk, -1)
-        q, k, v, z = qkvz.split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(n, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
+        qkvz, ba = stacked_linear(x, [self.in_proj_qkvz, self.in_proj_ba]).split(
+            [self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]], dim=-1)
+        q, k, v, z = qkvz.reshape(n, self.nk, -1).split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
+        b, a = ba.reshape(n, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         beta = torch.sigmoid(b.reshape(n, self.nv).float())
         g = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.nv).float() + self.dt_bias.float())
@@ -156,12 +158,14 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, kv: AttentionKV | None, layer_idx: int):
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.heads, 2 * self.d).chunk(2, dim=-1)
+        qg, k, v = stacked_linear(x, [self.q_proj, self.k_proj, self.v_proj]).split(
+            [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0]], dim=-1)
+        q, gate = qg.reshape(n, self.heads, 2 * self.d).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.d))
+        k = self.k_norm(k.reshape(n, self.kv_heads, self.d))
         cos, sin = rotary_cos_sin(layout.positions, self.rotary_dim, self.theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        entries = torch.cat([k.reshape(n, -1), self.v_proj(x)], dim=-1)
+        entries = torch.cat([k.reshape(n, -1), v], dim=-1)
         out = attend(layer_idx, q, entries, layout, kv, self._expand, self.d ** -0.5)
         out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)

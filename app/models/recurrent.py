@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from app.models.batch import BatchLayout
-from app.ops import causal_conv1d, chunk_gdn, chunk_kda, chunk_states_at, conv_states_at, naive_gdn, naive_kda
+from app.ops import causal_conv1d, chunk_gdn, chunk_kda, chunk_states_at, conv_states_at, conv_step, gated_delta_step
 
 # split(conv_out [G, T, C]) -> q [G, T, H, K], k [G, T, H, K], v [G, T, H, V] (q, k already l2-normalised)
 SplitQKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -108,16 +108,26 @@ def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_sta
 def _run_group(x, g, beta, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size, at=()):
     """x: [G, T, C] -> out [G*T, H, V] and the group's new conv and ssm states; with cut offsets `at`
     (0 < t < T), also the conv states [len(at), G, C, W-1] and ssm states [len(at), G, H, K, V] after them."""
+    if x.shape[1] == 1 and not at:
+        return _decode_group(x, g, beta, conv_weight, conv_state, ssm_state, split)
     y, conv_new = causal_conv1d(x, conv_weight, None, conv_state, "silu")
     q, k, v = split(y)
-    t = x.shape[1]
     if at:
         o, s, ssm_at = chunk_states_at(at, q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size)
         return o.reshape(-1, *o.shape[2:]), conv_new, s, conv_states_at(x, conv_weight, conv_state, at), ssm_at
-    if per_channel_gate:
-        o, s = (naive_kda(q, k, v, g, beta, initial_state=ssm_state) if t == 1
-                else chunk_kda(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
-    else:
-        o, s = (naive_gdn(q, k, v, g, beta, initial_state=ssm_state) if t == 1
-                else chunk_gdn(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size))
+    chunk = chunk_kda if per_channel_gate else chunk_gdn
+    o, s = chunk(q, k, v, g, beta, initial_state=ssm_state, chunk_size=chunk_size)
     return o.reshape(-1, *o.shape[2:]), conv_new, s
+
+
+def _decode_group(x, g, beta, conv_weight, conv_state, ssm_state, split):
+    """One token per sequence (x: [G, 1, C]) through the few-op decode steps of `app.ops.step`."""
+    G, _, C = x.shape
+    if conv_state is None:
+        conv_state = x.new_zeros(G, C, conv_weight.shape[-1] - 1)
+    y, conv_new = conv_step(x[:, 0], conv_weight, conv_state)
+    q, k, v = (t[:, 0] for t in split(y[:, None]))
+    if ssm_state is None:
+        ssm_state = q.new_zeros(G, q.shape[1], q.shape[2], v.shape[-1], dtype=torch.float32)
+    o, s = gated_delta_step(q.float(), k.float(), v.float(), g[:, 0].float(), beta[:, 0].float(), ssm_state)
+    return o.to(q.dtype), conv_new, s
