@@ -36,13 +36,17 @@ def _generate(args: argparse.Namespace) -> int:
         cfg = EngineConfig(interval=args.interval, admission=args.admission, eviction=args.eviction,
                            checkpoint_budget_mb=args.checkpoint_budget_mb, enable_cache=not args.no_cache,
                            w_max=args.w_max, policy=args.policy, quant=args.quant, layout=args.layout,
-                           selector=args.selector)
+                           selector=args.selector, device=args.device, dtype=args.dtype)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = build_engine(str(model_dir), cfg, args.tp, args.placement)
+    try:
+        engine = build_engine(str(model_dir), cfg, args.tp, args.placement)
+    except (RuntimeError, ValueError) as e:  # a missing GPU, head counts that do not divide the TP size
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tokenizer = engine.tokenizer
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
@@ -77,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
     g.add_argument("--json", action="store_true", help="one JSON object per request")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (TP rank r on GPU N + r)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
     g.add_argument("--stats", action="store_true", help="print engine telemetry to stderr at the end")
     cache = g.add_argument_group("prefix cache")
     cache.add_argument("--interval", type=int, default=0, help="checkpoint every N tokens (0: ends only)")

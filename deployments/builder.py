@@ -44,6 +44,8 @@ class EngineArgs(_Strict):
     policy: str = Field("nr", description="nr | wr")
     quant: str = Field("none", description="none | int8")
     layout: str = Field("ragged", description="ragged | padded")
+    device: str = Field("cpu", description="cpu | cuda (a replica takes tp_size GPUs; rank r uses GPU r)")
+    dtype: str = Field("float32", description="float32 | bfloat16 weights and KV")
 
 
 class RouterArgs(_Strict):
@@ -107,13 +109,9 @@ def build_app(args: dict) -> Application:
     if cfg.router.kind == "prefix":
         router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "min_match_tokens", "max_queue_gap",
                                                              "max_ratio")}
-    # TP ranks 1..T-1 are processes the replica starts; reserving one bundle per rank keeps their CPUs (or
-    # GPUs, with {"GPU": 1} bundles) on the replica's node and out of other replicas' hands.
-    tp_options = ({"placement_group_bundles": [{"CPU": cfg.replica_cpus}] * cfg.tp_size,
-                   "placement_group_strategy": "STRICT_PACK"} if cfg.tp_size > 1 else {})
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.replica_cpus}, **tp_options,
+        **_replica_resources(cfg),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[cfg.router.kind], request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=cfg.router.stats_period_s),
@@ -123,6 +121,22 @@ def build_app(args: dict) -> Application:
     api["api_key"] = api["api_key"] or os.environ.get("DASC_API_KEY") or None
     ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine_dep, cfg.model, api, cfg.router.block_size, controller)
+
+
+def _replica_resources(cfg: ServeArgs) -> dict:
+    """What one replica reserves. TP ranks 1..T-1 are processes the replica starts itself.
+
+    CPU: one placement-group bundle per rank keeps the ranks' CPUs on the replica's node and out of other
+    replicas' hands. GPU: the replica actor takes all T GPUs (`num_gpus: tp_size`), because Ray exposes an
+    actor's GPUs to it through CUDA_VISIBLE_DEVICES, which the rank processes inherit: rank r uses the r-th.
+    """
+    if cfg.engine.device != "cpu":
+        return {"ray_actor_options": {"num_cpus": cfg.replica_cpus, "num_gpus": cfg.tp_size}}
+    if cfg.tp_size == 1:
+        return {"ray_actor_options": {"num_cpus": cfg.replica_cpus}}
+    return {"ray_actor_options": {"num_cpus": cfg.replica_cpus},
+            "placement_group_bundles": [{"CPU": cfg.replica_cpus}] * cfg.tp_size,
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 __all__ = ["build_app", "ServeArgs", "CONTROLLER_NAME"]

@@ -68,6 +68,22 @@ def test_special_ids_and_vocab(tok: Tokenizer, tok_dir: Path) -> None:
     }
 
 
+def test_hub_style_config_without_bos(tok_dir: Path, tmp_path: Path) -> None:
+    """A Qwen-style tokenizer_config.json: no bos token, eos given as an AddedToken dict naming <|im_end|>."""
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((tok_dir / name).read_bytes())
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config.update(bos_token=None, eos_token={"content": IM_END, "special": True}, pad_token=EOT)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hub = Tokenizer.from_dir(tmp_path)
+    assert (hub.bos_token_id, hub.eos_token_id, hub.pad_token_id) == (None, 2, 0)
+    assert hub.stop_token_ids == (2, 0)
+    assert hub.decode(hub.encode(TRICKY[-1])) == TRICKY[-1]
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
 @pytest.mark.parametrize("text", TRICKY, ids=range(len(TRICKY)))
 def test_round_trip_tricky(tok: Tokenizer, text: str) -> None:
     assert tok.decode(tok.encode(text)) == text

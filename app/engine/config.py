@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from app.cache.policy import ADMISSIONS, EVICTIONS
@@ -28,6 +29,9 @@ class EngineConfig:
     quant: `none` (fp32) or `int8` storage of retained units. layout: `ragged` or `padded`.
     selector: `decay` or `random:<seed>` (count-matched random units, the paper's baseline).
     store_generation_end: checkpoint where generation ended, so a conversation's next turn hits.
+    device: where the worker keeps weights, KV, states and checkpoints: `cpu`, or `cuda` (TP rank r on the
+        r-th visible GPU) or `cuda:N` (rank r on GPU N + r). dtype: `float32` or `bfloat16` weights and KV
+        (recurrent states and their checkpoints stay fp32).
     checkpoint_min_gap: a branch-point or generation-end checkpoint is skipped when the sequence already has
         a checkpoint fewer than this many tokens before it (a hit just above a branch point, a short answer):
         it would nearly duplicate that one, and a later request replays those few tokens instead.
@@ -52,6 +56,8 @@ class EngineConfig:
     selector: str = "decay"
     store_generation_end: bool = True
     checkpoint_min_gap: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:
@@ -60,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if min(self.max_running, self.chunk_size, self.max_tokens_per_step, self.kv_slots) < 1:
             raise ValueError("max_running, chunk_size, max_tokens_per_step and kv_slots must be positive")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.checkpoint_min_gap < 0:
             raise ValueError(f"checkpoint_min_gap must be >= 0, got {self.checkpoint_min_gap}")
         if self.policy not in ("nr", "wr") or self.quant not in ("none", "int8") or self.layout not in ("ragged", "padded"):

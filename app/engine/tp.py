@@ -1,5 +1,5 @@
-"""Tensor parallelism: one process per rank (torch.distributed over gloo; NCCL comes with CUDA placement of
-the engine), driven by rank 0.
+"""Tensor parallelism: one process per rank (torch.distributed: gloo on CPUs, NCCL with `device: cuda`, rank r
+on GPU r), driven by rank 0.
 
 Rank 0 is the engine's process. `TPGroup` starts ranks 1..T-1, shards the model on every rank
 (`app.models.shard`; stage 1 of TP-balanced placement permutes head bundles there), and offers the same
@@ -27,7 +27,7 @@ from app.dasc.placement import plan_placement
 from app.dasc.plan import make_plan
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
-from app.engine.worker import TPContext, Worker
+from app.engine.worker import TPContext, Worker, worker_device
 from app.models.loader import load_model, resolve_model_dir
 from app.models.shard import check_divisible, shard_model
 from app.models.tokenizer import Tokenizer
@@ -39,7 +39,7 @@ def build_engine(model: str, cfg: EngineConfig, tp_size: int = 1, placement: str
     model_dir = resolve_model_dir(model)
     tokenizer = Tokenizer.from_dir(model_dir)
     if tp_size == 1:
-        return Engine(load_model(model_dir), tokenizer, cfg)
+        return Engine(load_model(model_dir, getattr(torch, cfg.dtype)), tokenizer, cfg)
     group = TPGroup(str(model_dir), cfg, tp_size, placement)
     engine = Engine(group.model, tokenizer, cfg, worker=group)
     engine.tp_group = group
@@ -48,7 +48,7 @@ def build_engine(model: str, cfg: EngineConfig, tp_size: int = 1, placement: str
 
 def build_rank(rank: int, tp: int, model_dir: str, cfg: EngineConfig, placement: str):
     """Load, decide the stage-1 head order (balanced placement), shard, and wrap in a Worker."""
-    model = load_model(model_dir)
+    model = load_model(model_dir, getattr(torch, cfg.dtype))
     check_divisible(model, tp)
     geometry, horizons = model_geometry(model), model_horizons(model)
     head_order = None
@@ -61,13 +61,15 @@ def build_rank(rank: int, tp: int, model_dir: str, cfg: EngineConfig, placement:
 class TPGroup:
     def __init__(self, model_dir: str, cfg: EngineConfig, tp: int, placement: str = "off") -> None:
         check_divisible(load_model(model_dir), tp)  # fail before starting processes, naming the numbers
+        for rank in range(tp):
+            worker_device(cfg.device, rank)  # likewise for a missing GPU
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_serve_rank, args=(r, tp, port, model_dir, cfg, placement), daemon=True)
                       for r in range(1, tp)]
         for p in self.procs:
             p.start()
-        _init(0, tp, port)
+        _init(0, tp, port, cfg.device)
         self.size = tp
         self.model, self.local = build_rank(0, tp, model_dir, cfg, placement)
 
@@ -89,7 +91,7 @@ class TPGroup:
 
 def _serve_rank(rank: int, tp: int, port: int, model_dir: str, cfg: EngineConfig, placement: str) -> None:
     torch.set_num_threads(int(os.environ.get("DASC_TP_THREADS", "1")))
-    _init(rank, tp, port)
+    _init(rank, tp, port, cfg.device)
     _, worker = build_rank(rank, tp, model_dir, cfg, placement)
     while True:
         box = [None]
@@ -101,10 +103,12 @@ def _serve_rank(rank: int, tp: int, port: int, model_dir: str, cfg: EngineConfig
     dist.destroy_process_group()
 
 
-def _init(rank: int, tp: int, port: int) -> None:
-    # The engine's tensors live on the CPU (CUDA placement of the model and pools is not wired yet), and NCCL
-    # only moves CUDA tensors: gloo until the engine runs on a device.
+def _init(rank: int, tp: int, port: int, device: str) -> None:
+    """NCCL between GPUs (each rank's own device current first), gloo between CPU ranks."""
     backend = "gloo"
+    if device != "cpu":
+        torch.cuda.set_device(worker_device(device, rank))
+        backend = "nccl"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
                             timeout=timedelta(minutes=10))
 

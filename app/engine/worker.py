@@ -2,6 +2,10 @@
 checkpoint storage) and the verbs the engine drives it with. The engine's scheduler and cache only decide
 slot ids; every byte moves here. Under TP the same verb runs on every rank (app/engine/tp.py).
 
+On a GPU the worker's verbs run with its device as the default for new tensors (`torch.device` as a context),
+so weights, pools, step inputs and codec storage all live there; the engine only sees slot ids and the
+step's logits, which come back to the host for sampling.
+
 All pieces of a step run in one forward: decode tokens of many sequences batch through the recurrent ops
 together (equal extend length 1), prefill pieces run with their peers of equal length, attention reads and
 writes KV through `PagedKV`.
@@ -9,6 +13,7 @@ writes KV through `PagedKV`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,17 +61,49 @@ class TPContext:
     horizons: list
 
 
+def worker_device(device: str, rank: int = 0) -> torch.device:
+    """The device of TP rank `rank` under the configured `device` (see EngineConfig), or a clear error."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"engine device {device!r}: torch sees no CUDA device (torch.cuda.is_available() is "
+                           "False); set the engine's device to 'cpu'")
+    index = rank + (int(device.split(":")[1]) if ":" in device else 0)
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(f"TP rank {rank} needs GPU {index} under device {device!r}, but "
+                           f"{torch.cuda.device_count()} are visible")
+    return torch.device("cuda", index)
+
+
+def _on_device(verb):
+    """Run a worker verb with the worker's device as the default for new tensors. Skipped on the CPU (already
+    the default), where the device mode would only add a Python call to every op."""
+    @functools.wraps(verb)
+    def run(self, *args):
+        if self.device.type == "cpu":
+            return verb(self, *args)
+        with self.device:
+            return verb(self, *args)
+    return run
+
+
 class Worker:
     def __init__(self, model: HybridForCausalLM, cfg: EngineConfig, codec: CheckpointCodec | None = None,
                  tp: TPContext | None = None) -> None:
-        self.model = model.eval()
+        self.device = worker_device(cfg.device, tp.rank if tp else 0)
+        self.model = model.to(self.device, getattr(torch, cfg.dtype)).eval()
         self.tp = tp
-        self.kv = KVStorage(kv_widths(model), cfg.kv_slots, model.model.embed_tokens.weight.dtype)
-        self.states = StateStorage(model.empty_states(1), cfg.max_running)
-        self.configure_checkpoints(cfg, codec)
+        self._allocate(cfg, codec)
         self.snapshots: dict[tuple[int, int], object] = {}
 
+    @_on_device
+    def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
+        self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots, self.model.model.embed_tokens.weight.dtype)
+        self.states = StateStorage(self.model.empty_states(1), cfg.max_running)
+        self.configure_checkpoints(cfg, codec)
+
     # ------------------------------------------------------------------ checkpoint storage
+    @_on_device
     def configure_checkpoints(self, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> tuple[int, int]:
         """Build the codec the config asks for (dense, or dasc with a plan) and allocate its slots within the
         budget. Returns (bytes per slot, physical slots). Old checkpoints are dropped."""
@@ -87,37 +124,44 @@ class Worker:
         self.codec.allocate(self.physical)
         return self.codec.bytes_per_slot, self.physical
 
+    @_on_device
     def set_policy(self, policy: str) -> None:
         """wr needs the rows of this worker's state that the plan omits (under TP: of its own heads)."""
         self.local_rows = None
         if self.plan is not None and policy == "wr":
             self.local_rows = local_rows(self.plan) if self.tp is None else self.codec.omitted_rows()
 
+    @_on_device
     def store(self, state_slot: int, ckpt_slot: int) -> None:
         self.codec.store(ckpt_slot, self.states.gather([state_slot]))
 
+    @_on_device
     def load(self, ckpt_slot: int, state_slot: int) -> None:
         self.states.write(state_slot, self.codec.load(ckpt_slot))
 
+    @_on_device
     def zero(self, state_slot: int) -> None:
         self.states.zero(state_slot)
 
+    @_on_device
     def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
         """Store the state the last run captured `offset` tokens into `state_slot`'s piece."""
         self.codec.store(ckpt_slot, self.snapshots[(state_slot, offset)])
 
     # ------------------------------------------------------------------ compute
+    @_on_device
     @torch.no_grad()
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Feed every piece; returns fp32 next-token logits [len(want_logits), V]."""
+        """Feed every piece; returns fp32 next-token logits [len(want_logits), V] on the host."""
         ids = torch.tensor(batch.token_ids, dtype=torch.long)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
         logits, new_states = self.model(ids, layout, kv, self.states.gather(batch.state_slots))
         self.states.scatter(batch.state_slots, new_states)
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
-        return logits[batch.want_logits].float()
+        return logits[batch.want_logits].float().cpu()
 
+    @_on_device
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
         """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""
         if not self.local_rows or not prefixes:

@@ -46,19 +46,34 @@ class Tokenizer:
         self.config = dict(config)
         self.chat_template = chat_template
         self._template = _compile_template(chat_template)
-        self.eos_token_id = self.token_id(str(config["eos_token"]))
-        self.bos_token_id = self.token_id(str(config["bos_token"]))
-        self.pad_token_id = self.token_id(str(config["pad_token"]))
+        self.eos_token_id = self._config_token("eos_token")
+        if self.eos_token_id is None:
+            raise ValueError("tokenizer_config.json names no eos_token")
+        self.bos_token_id = self._config_token("bos_token")  # None where the model has none (Qwen)
+        self.pad_token_id = self._config_token("pad_token")
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        # Generation ends at end-of-text or at the end of a chat turn.
-        self.stop_token_ids = (self.eos_token_id, self.token_id(IM_END))
-        self._special_ids = frozenset(self.token_id(t) for t in SPECIAL_TOKENS)
-        self._bytes = _token_bytes(backend, self._special_ids)
+        # Generation ends at the eos token, end-of-text or the end of a chat turn (those the vocabulary has).
+        ends = (self.eos_token_id, backend.token_to_id(EOT), backend.token_to_id(IM_END))
+        self.stop_token_ids = tuple(dict.fromkeys(t for t in ends if t is not None))
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset({i for i, t in added.items() if t.special} |
+                                      {i for i in map(backend.token_to_id, SPECIAL_TOKENS) if i is not None})
+        self._bytes = _token_bytes(backend, frozenset(added))
+
+    def _config_token(self, key: str) -> int | None:
+        """The id of a special token named in tokenizer_config.json (a string or an AddedToken dict), or None."""
+        value = self.config.get(key)
+        if isinstance(value, Mapping):
+            value = value.get("content")
+        return None if value is None else self.token_id(str(value))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` and `tokenizer_config.json` (a `chat_template.jinja` file wins)."""
         path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"no tokenizer.json in {path}: dasc-serve reads `tokenizers` JSON tokenizers "
+                                    "(a tiktoken or sentencepiece tokenizer needs converting with transformers first)")
         config = json.loads((path / "tokenizer_config.json").read_text())
         jinja_file = path / "chat_template.jinja"
         template = jinja_file.read_text() if jinja_file.exists() else config.get("chat_template", CHAT_TEMPLATE)
@@ -243,14 +258,19 @@ def _compile_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def _token_bytes(backend: Backend, special_ids: frozenset[int]) -> list[bytes]:
-    """Per-id raw bytes: ByteLevel tokens map each char back to one byte (GPT-2's table)."""
+def _token_bytes(backend: Backend, added_ids: frozenset[int]) -> list[bytes]:
+    """Per-id raw bytes: ByteLevel tokens map each char back to one byte (GPT-2's table); added tokens are
+    their UTF-8 text; ids the vocabulary skips are empty."""
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     table = []
     for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
         token = backend.id_to_token(token_id)
-        special = token_id in special_ids
-        table.append(token.encode() if special else bytes(byte_of[c] for c in token))
+        if token is None:
+            table.append(b"")
+        elif token_id in added_ids:
+            table.append(token.encode())
+        else:
+            table.append(bytes(byte_of[c] for c in token))
     return table
 
 

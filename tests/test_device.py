@@ -1,0 +1,116 @@
+"""Engine device and dtype: config validation, clear errors without a GPU, bfloat16 on the CPU, the replica's
+resource reservation, and (where CUDA is present) the engine on a GPU against the CPU engine and TP over NCCL.
+
+The CUDA tests are skipped on CPU-only machines; they are what a GPU run of the suite adds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
+from app.engine.tp import build_engine
+from app.models.loader import load_model
+from deployments.builder import ServeArgs, _replica_resources
+from tests.helpers import load_zoo, record_logits
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _prompts(tok):
+    ids = tok.encode(open(__file__).read())
+    return [ids[:200], ids[:260], ids[40:240]]
+
+
+@pytest.mark.parametrize("field, value", [("device", "tpu"), ("device", "cuda:x"), ("dtype", "float16")])
+def test_config_rejects_unknown_device_and_dtype(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    model, tok = load_zoo("kda-tiny")
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+        Engine(model, tok, EngineConfig(device="cuda"))
+    cli = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--prompt", "x", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "sees no CUDA device" in cli.stderr
+
+
+@pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])
+def test_bfloat16_engine_hits_equal_cold_and_track_fp32(name):
+    model, tok = load_zoo(name)
+    prompts = _prompts(tok)
+    ref = Engine(model, tok, EngineConfig(enable_cache=False))
+    first_fp32 = [o[0].output_ids[0] for o in ref.generate(prompts, GREEDY)]
+    engine = Engine(load_model(name), tok, EngineConfig(dtype="bfloat16", interval=64))
+    assert engine.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    cold = [o[0] for o in engine.generate(prompts, GREEDY)]
+    hot = [o[0] for o in engine.generate(prompts, GREEDY)]
+    assert all(o.cached_tokens > 0 for o in hot)
+    assert [o.output_ids for o in hot] == [o.output_ids for o in cold]
+    assert [o.output_ids[0] for o in cold] == first_fp32
+
+
+def test_replica_reserves_gpus_or_cpu_bundles():
+    gpu = ServeArgs(tp_size=8, replica_cpus=8, engine={"device": "cuda"})
+    assert _replica_resources(gpu) == {"ray_actor_options": {"num_cpus": 8, "num_gpus": 8}}
+    cpu = _replica_resources(ServeArgs(tp_size=2, replica_cpus=1))
+    assert cpu["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    assert "num_gpus" not in cpu["ray_actor_options"]
+    assert _replica_resources(ServeArgs()) == {"ray_actor_options": {"num_cpus": 1.0}}
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    cfg = ServeArgs(**args)
+    EngineConfig(**cfg.engine.model_dump())
+    if path.name == "gpu-tp8.yaml":
+        assert (cfg.tp_size, cfg.engine.device, cfg.placement) == (8, "cuda", "balanced")
+        assert _replica_resources(cfg)["ray_actor_options"]["num_gpus"] == 8
+
+
+@no_cuda
+@pytest.mark.parametrize("name, w_max", [("kda-tiny", None), ("kda-tiny", 16), ("gdn-tiny", 128)])
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_cuda_engine_matches_cpu_engine(name, w_max, quant):
+    """Same greedy tokens and cached lengths on the GPU as on the CPU (dasc checkpoints through the Triton
+    pack/unpack kernels on CUDA), logits within 1e-3."""
+    model, tok = load_zoo(name)
+    prompts = _prompts(tok)
+    cfg = dict(interval=64, w_max=w_max, quant=quant if w_max is not None else "none")
+    outs, logits = {}, {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(load_model(name), tok, EngineConfig(device=device, **cfg))
+        logits[device] = record_logits(engine)
+        outs[device] = [[o[0] for o in engine.generate(prompts, GREEDY)] for _ in range(2)]
+        engine.check_integrity()
+    assert [[o.output_ids for o in run] for run in outs["cuda"]] == [[o.output_ids for o in run] for run in outs["cpu"]]
+    assert [o.cached_tokens for o in outs["cuda"][1]] == [o.cached_tokens for o in outs["cpu"][1]]
+    cpu, gpu = logits["cpu"], logits["cuda"]
+    assert max((cpu[k] - gpu[k]).abs().max().item() for k in cpu) < 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("placement", ["off", "balanced"])
+def test_tp2_over_nccl_equals_tp1(placement):
+    cfg = EngineConfig(device="cuda", checkpoint_slots=8, interval=32, w_max=16, max_running=8, kv_slots=4096)
+    one = build_engine("kda-tiny", cfg, 1)
+    prompts = _prompts(one.tokenizer)
+    outs1 = [one.generate([p], GREEDY)[0][0].output_ids for p in prompts]
+    two = build_engine("kda-tiny", cfg, 2, placement)
+    try:
+        assert [two.generate([p], GREEDY)[0][0].output_ids for p in prompts] == outs1
+    finally:
+        two.tp_group.close()
