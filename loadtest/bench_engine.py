@@ -4,8 +4,13 @@ In one run, on one checkpoint:
 1. TTFT for prompts of 256..2048 tokens: cold (no cache), hit at the prompt end, hit that replays from an
    earlier interval checkpoint (the prompt shares all but its last `--diverge` tokens with a cached one), and
    for each hit the time to prefill only its uncached suffix with the model alone (state and KV ready), which
-   is the floor a cache hit can reach. Also transformers' `generate` (1 new token) as the baseline.
+   is the floor a cache hit can reach (a prompt-end hit repeats the same work, so it and its floor are timed
+   --hit-samples times per repeat). Also transformers' `generate` (1 new token) as the baseline.
 2. Decode tokens/s against batch size, ours vs transformers' `generate` on equal-length prompts.
+3. Serving throughput on a mixed batch: 16 requests with prompt lengths and output budgets drawn from a seeded
+   generator, end to end (prefill included), ours (continuous batching) vs `generate` on the same 16 as one
+   left-padded static batch, which runs until its longest request is done; output tokens per second counts
+   each request's own budget.
 Every figure is the median of --repeats runs; ratios are against baselines measured in the same run.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -63,7 +69,7 @@ def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
     return t
 
 
-def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge) -> list[dict]:
+def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples) -> list[dict]:
     source = corpus_ids(tok, max(lengths) * (repeats + 2) * 2)
     rows = []
     for L in lengths:
@@ -76,8 +82,10 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge) -> list[dic
             hot = Engine(model, tok, EngineConfig(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
                                                   checkpoint_slots=64))
             ttft(hot, base)  # fill: prompt-end and interval checkpoints of `base`
-            t, c = ttft(hot, base)
-            end_hit.append(t), cached_end.append(c), floor_end.append(suffix_prefill(model, base, c))
+            hits = [ttft(hot, base) for _ in range(hit_samples)]  # each the same work: nothing new is stored
+            c = hits[0][1]
+            end_hit.append(median([t for t, _ in hits])), cached_end.append(c)
+            floor_end.append(median([suffix_prefill(model, base, c) for _ in range(hit_samples)]))
             branch = base[: L - diverge] + other[:diverge]
             t, c = ttft(hot, branch)
             replay.append(t), cached_replay.append(c), floor_replay.append(suffix_prefill(model, branch, c))
@@ -117,6 +125,44 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
     return rows
 
 
+def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_tokens=(16, 128), seed=0) -> dict:
+    rng = random.Random(seed)
+    source = corpus_ids(tok, prompt_lens[1] * batch)
+    lens = [rng.randint(*prompt_lens) for _ in range(batch)]
+    budgets = [rng.randint(*new_tokens) for _ in range(batch)]
+    prompts = [source[i * prompt_lens[1] : i * prompt_lens[1] + n] for i, n in enumerate(lens)]
+    useful = sum(budgets)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        engine = Engine(model, tok, EngineConfig(enable_cache=False, max_running=batch))
+        for p, b in zip(prompts, budgets):
+            engine.add_request(p, SamplingParams(max_tokens=b, temperature=0.0, ignore_eos=True))
+        t, _ = timed(_drain, engine)
+        ours.append(useful / t)
+        theirs.append(useful / hf_padded_time(ref, prompts, max(budgets)))
+    row = {"batch": batch, "prompt_lens": lens, "budgets": budgets, "ours_tok_s": median(ours),
+           "hf_tok_s": median(theirs)}
+    row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _drain(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+@torch.no_grad()
+def hf_padded_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
+    """`generate` on one left-padded batch (pad id 0, masked) for `new_tokens` steps."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t, _ = timed(ref.generate, ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                 do_sample=False, pad_token_id=0)
+    return t
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
@@ -125,7 +171,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--interval", type=int, default=128)
     p.add_argument("--diverge", type=int, default=96, help="replay case: tokens after the shared prefix")
+    p.add_argument("--hit-samples", type=int, default=5,
+                   help="prompt-end hits (and their floor) timed this many times per repeat, median taken")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"], choices=["ttft", "decode", "mixed"])
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -133,24 +182,38 @@ def main(argv=None) -> None:
     model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    ttft_rows = bench_ttft(model, tok, ref, args.lengths, args.repeats, args.interval, args.diverge)
-    decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats)
+    ttft_rows = bench_ttft(model, tok, ref, args.lengths, args.repeats, args.interval, args.diverge,
+                           args.hit_samples) \
+        if "ttft" in args.sections else []
+    decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats) if "decode" in args.sections else []
+    mixed = bench_mixed(model, tok, ref, args.repeats) if "mixed" in args.sections else None
     md = header(f"Engine: TTFT and decode ({args.model})", config)
-    md += "\nTTFT in ms (median of %d). *floor*: model-only prefill of the uncached suffix.\n\n" % args.repeats
-    md += table(["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached",
-                 "floor", "ratio"],
-                [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
-                  r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
-                  r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in ttft_rows])
-    md += ("\n\nDecode tokens/s (64-token prompts, 64 new tokens, median of %d). *HF generate*: one static "
-           "batch of the same prompts; *HF one at a time*: its batch-1 rate, what a server without batching "
-           "delivers at any load:\n\n" % args.repeats)
-    hf_single = next((r["hf_tok_s"] for r in decode_rows if r["batch"] == 1), None)
-    md += table(["batch", "ours", "HF generate", "ratio", "ratio vs HF one at a time"],
-                [[r["batch"], r["ours_tok_s"], r["hf_tok_s"], r["speedup"],
-                  r["ours_tok_s"] / hf_single if hf_single else "-"] for r in decode_rows])
+    if ttft_rows:
+        md += ("\nTTFT in ms (median of %d repeats; prompt-end hits and their floor: of %d samples each per repeat). "
+               "*floor*: model-only prefill of the uncached suffix.\n\n" % (args.repeats, args.hit_samples))
+        md += table(["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached",
+                     "floor", "ratio"],
+                    [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
+                      r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
+                      r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in ttft_rows]) + "\n"
+    if decode_rows:
+        md += ("\nDecode tokens/s (64-token prompts, 64 new tokens, median of %d). *HF generate*: one static "
+               "batch of the same prompts; *HF one at a time*: its batch-1 rate, what a server without batching "
+               "delivers at any load:\n\n" % args.repeats)
+        hf_single = next((r["hf_tok_s"] for r in decode_rows if r["batch"] == 1), None)
+        md += table(["batch", "ours", "HF generate", "ratio", "ratio vs HF one at a time"],
+                    [[r["batch"], r["ours_tok_s"], r["hf_tok_s"], r["speedup"],
+                      r["ours_tok_s"] / hf_single if hf_single else "-"] for r in decode_rows]) + "\n"
+    if mixed:
+        md += ("\nMixed batch, end to end (median of %d): %d requests, prompt lengths %d-%d, output budgets %d-%d "
+               "tokens (%d in all); HF generate runs them as one left-padded static batch for the longest budget.\n\n"
+               % (args.repeats, mixed["batch"], min(mixed["prompt_lens"]), max(mixed["prompt_lens"]),
+                  min(mixed["budgets"]), max(mixed["budgets"]), sum(mixed["budgets"])))
+        md += table(["requests", "ours tok/s", "HF generate tok/s", "ratio"],
+                    [[mixed["batch"], mixed["ours_tok_s"], mixed["hf_tok_s"], mixed["speedup"]]]) + "\n"
     print(md)
-    save(f"bench_engine_{args.model}", {"config": config, "ttft": ttft_rows, "decode": decode_rows})
+    save(f"bench_engine_{args.model}" + ("" if len(args.sections) == 3 else "_" + "_".join(args.sections)),
+         {"config": config, "ttft": ttft_rows, "decode": decode_rows, "mixed": mixed})
     append_section(args.out, md)
 
 

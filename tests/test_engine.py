@@ -87,6 +87,22 @@ def test_repeated_prompt_hits_at_prompt_end_and_next_turn_hits(zoo):
     assert "generation_end" not in short.snapshot()["checkpoint_stores_by_kind"]
 
 
+def test_interval_checkpoint_right_after_the_prompt_end_is_skipped(zoo):
+    """A 128-token prompt with interval 128: the prompt-end checkpoint (127) makes the interval one (128)
+    a near duplicate, skipped under the default gap and stored with gap 0; a later interval still stores."""
+    model, tok = zoo
+    prompt = tok.encode(open(__file__).read())[:128]
+    params = SamplingParams(max_tokens=140, temperature=0.0, ignore_eos=True)
+    stores = {}
+    for gap in (16, 0):
+        eng = Engine(model, tok, EngineConfig(checkpoint_slots=8, interval=128, checkpoint_min_gap=gap,
+                                              store_generation_end=False))
+        eng.generate([prompt], params)
+        stores[gap] = eng.snapshot()["checkpoint_stores_by_kind"]
+    assert stores[16] == {"prompt_end": 1, "interval": 1}  # 256 only
+    assert stores[0] == {"prompt_end": 1, "interval": 2}  # 128 and 256
+
+
 def test_64_concurrent_requests_match_per_request_greedy(zoo):
     model, tok = zoo
     rng = random.Random(1)

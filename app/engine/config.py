@@ -32,9 +32,10 @@ class EngineConfig:
     device: where the worker keeps weights, KV, states and checkpoints: `cpu`, or `cuda` (TP rank r on the
         r-th visible GPU) or `cuda:N` (rank r on GPU N + r). dtype: `float32` or `bfloat16` weights and KV
         (recurrent states and their checkpoints stay fp32).
-    checkpoint_min_gap: a branch-point or generation-end checkpoint is skipped when the sequence already has
-        a checkpoint fewer than this many tokens before it (a hit just above a branch point, a short answer):
-        it would nearly duplicate that one, and a later request replays those few tokens instead.
+    checkpoint_min_gap: a branch-point, generation-end or decode-interval checkpoint is skipped when the
+        sequence already has a checkpoint fewer than this many tokens before it (a hit just above a branch
+        point, a short answer, an interval position just after the prompt end): it would nearly duplicate
+        that one, and a later request replays those few tokens instead.
     """
 
     max_running: int = 64

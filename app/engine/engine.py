@@ -142,7 +142,7 @@ class Engine:
         for pos in sorted(p for p in seq.cuts if start < p <= end):
             self._store(seq, pos, seq.cuts.pop(pos), snapshot_at=None if pos == end else pos - start)
         if (self.cfg.enable_cache and self.cfg.interval and end % self.cfg.interval == 0 and end >= seq.prompt_len
-                and seq.num_shared < end):
+                and seq.num_shared < end and not self._checkpoint_close_behind(seq)):
             self._store(seq, end, "interval")
 
     def _store(self, seq: Sequence, pos: int, kind: str, snapshot_at: int | None = None) -> None:
@@ -162,8 +162,9 @@ class Engine:
 
     def _checkpoint_close_behind(self, seq: Sequence) -> bool:
         """Whether the sequence's deepest tree node holds a checkpoint fewer than `checkpoint_min_gap` tokens
-        behind its end: then a generation-end checkpoint would nearly duplicate it (a one-token answer would
-        store two almost equal states per request) and the next turn replays those few tokens instead."""
+        behind its end: then a generation-end or decode-interval checkpoint would nearly duplicate it (a
+        one-token answer would store two almost equal states per request; a prompt ending just before an
+        interval position, two within one token) and a later request replays those few tokens instead."""
         return (seq.node is not None and seq.node.checkpoint is not None
                 and seq.num_computed - seq.num_shared < self.cfg.checkpoint_min_gap)
 

@@ -91,14 +91,16 @@ def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_sta
     for i, ks in enumerate(layout.snapshots):
         if not ks:
             continue
-        tok = torch.arange(layout.offsets[i], layout.offsets[i + 1])
+        lo, hi = layout.offsets[i], layout.offsets[i + 1]
         c = None if conv_state is None else conv_state[i : i + 1]
         s = None if ssm_state is None else ssm_state[i : i + 1]
-        o, c_new, s_new, conv_at, ssm_at = _run_group(mixed[tok][None], g[tok][None], beta[tok][None], conv_weight,
-                                                      c, s, split, per_channel_gate, chunk_size, ks)
+        o, c_new, s_new, conv_at, ssm_at = _run_group(mixed[None, lo:hi], g[None, lo:hi], beta[None, lo:hi],
+                                                      conv_weight, c, s, split, per_channel_gate, chunk_size, ks)
+        if layout.num_seqs == 1:  # the whole batch: no scatter, no stacking
+            return o, c_new, s_new, {(0, k): (conv_k[0], ssm_k[0]) for k, conv_k, ssm_k in zip(ks, conv_at, ssm_at)}
         if out is None:
             out = o.new_zeros(mixed.shape[0], *o.shape[1:])
-        out = out.index_copy(0, tok, o)
+        out[lo:hi] = o
         for k, conv_k, ssm_k in zip(ks, conv_at, ssm_at):
             snaps[(i, k)] = (conv_k[0], ssm_k[0])
         new_conv[i], new_ssm[i] = c_new[0], s_new[0]
