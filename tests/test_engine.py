@@ -142,3 +142,36 @@ def test_small_pools_never_fail_and_keep_outputs(zoo):
         assert done[rid] == generate(model, p, 8)
     snap = eng.snapshot()
     assert snap["checkpoint_evictions"] > 0 and snap["kv_evicted_tokens"] > 0 and snap["preemptions"] > 0, snap
+
+
+def _stream(eng: Engine, prompt: list[int], params: SamplingParams) -> tuple[str, list]:
+    """Run one request step by step; the concatenated text deltas and the outputs."""
+    rid = eng.add_request(prompt, params)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    return "".join(o.new_text for o in outs), outs
+
+
+def test_text_stop_strings_and_stop_ids(zoo):
+    """Streamed deltas add up to the final text; the final text is the decoded output; a stop string cuts the
+    text before its first occurrence; a stop id ends generation with its own text left out."""
+    model, tok = zoo
+    prompt = tok.encode("def parse(text):\n    tokens = text.split()\n")
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    streamed, outs = _stream(Engine(model, tok), prompt, free)
+    final = outs[-1]
+    assert streamed == final.text == tok.decode(final.output_ids)
+    assert final.finish_reason == "length" and len(final.output_ids) == 40
+    text = final.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.find(stop)
+    streamed, outs = _stream(Engine(model, tok), prompt, SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop=("@@never@@", stop)))
+    assert outs[-1].finish_reason == "stop" and outs[-1].text == streamed == text[:cut]
+    stop_id = final.output_ids[5]
+    first = final.output_ids.index(stop_id)
+    _, outs = _stream(Engine(model, tok), prompt, SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,)))
+    assert outs[-1].finish_reason == "stop" and outs[-1].output_ids == final.output_ids[: first + 1]
+    assert outs[-1].text == tok.decode(final.output_ids[:first])

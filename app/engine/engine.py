@@ -169,25 +169,33 @@ class Engine:
                 and seq.num_computed - seq.num_shared < self.cfg.checkpoint_min_gap)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        """Record a sampled token and decide whether the sequence is done. Text grows incrementally (the
+        token's bytes through the sequence's UTF-8 decoder), so each token costs the same however long the
+        output already is; stop strings are searched only where a new match can start."""
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
+            seq.decoder = self.tokenizer.incremental_decoder()
         seq.output_ids.append(token)
         p = seq.params
         reason = None
         stops = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.stop_token_ids)
-        text = self.tokenizer.decode(seq.output_ids[:-1] if token in stops else seq.output_ids)
-        hits = [text.find(s) for s in p.stop if s in text]
+        before = len(seq.decoded)
         if token in stops:
             reason = "stop"
-        if hits:
-            text, reason = text[: min(hits)], "stop"
+        else:
+            seq.decoded += seq.decoder.push(token)
         if reason is None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"
-        if reason is None:  # hold back what may still become a stop string or a multi-byte character
+        if reason is not None:
+            seq.decoded += seq.decoder.flush()
+        hits = [i for s in p.stop if (i := seq.decoded.find(s, max(0, before - len(s) + 1))) >= 0]
+        if hits:
+            seq.decoded, reason = seq.decoded[: min(hits)], "stop"
+        text = seq.decoded
+        if reason is None:  # hold back what may still become a stop string
             hold = max((len(s) - 1 for s in p.stop), default=0)
             text = text[: len(text) - hold] if hold else text
-            text = text.rstrip("\ufffd")
         delta = text[len(seq.text):] if len(text) > len(seq.text) else ""
         seq.text += delta
         if reason is not None:
@@ -211,9 +219,9 @@ class Engine:
     def run_works(self, works: list[Work]) -> dict[int, torch.Tensor]:
         """One forward for the step's pieces; next-token logits keyed by id(seq) for pieces that reach the end
         of their sequence's token stream."""
-        want = [i for i, w in enumerate(works) if w.end == len(w.seq.tokens)]
+        want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens]
         snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
-        batch = StepBatch([t for w in works for t in w.seq.tokens[w.start : w.end]],
+        batch = StepBatch([t for w in works for t in w.seq.token_range(w.start, w.end)],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
                           [w.seq.kv_slots for w in works], [w.new_slots for w in works],
                           [w.seq.state_slot for w in works], want, snaps if any(snaps) else ())

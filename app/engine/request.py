@@ -15,9 +15,14 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from app.cache.radix import Node
+
+if TYPE_CHECKING:
+    from app.models.tokenizer import IncrementalDecoder
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
-    text: str = ""  # decoded output so far (for stop strings)
+    text: str = ""  # output text reported so far (held back where a stop string may still begin)
+    decoded: str = ""  # every complete character decoded so far
+    decoder: IncrementalDecoder | None = None
     admitted_once: bool = False
     counted: bool = False  # prompt and hit counted in telemetry
     fork_of: "Sequence | None" = None  # n > 1: waits for this leader to reach the fork point
@@ -84,6 +91,18 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(tokens), without building the list."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end], without building the whole list (a decode step reads one output token)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - n)]
 
     @property
     def prompt_len(self) -> int:
@@ -96,7 +115,7 @@ class Sequence:
     def next_end(self, budget: int) -> int:
         """Where this step's piece ends: the budget or the stream's end. Checkpoint cuts inside a piece are
         captured as state snapshots during the same forward, so they never split a step."""
-        return min(len(self.tokens), self.num_computed + budget)
+        return min(self.num_tokens, self.num_computed + budget)
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         budget = self.cfg.max_tokens_per_step
         works: list[Work] = []
-        decoding = [s for s in self.running if s.num_computed >= len(s.tokens) - 1]
-        prefilling = [s for s in self.running if s.num_computed < len(s.tokens) - 1]
+        decoding = [s for s in self.running if s.num_computed >= s.num_tokens - 1]
+        prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
         for seq in decoding + prefilling:
             if budget <= 0:
                 break

@@ -70,6 +70,14 @@ class BatchLayout:
         """[num_seqs] flat index of each sequence's last token (where its next-token logits come from)."""
         return torch.tensor(self.offsets[1:]) - 1
 
+    def memo(self, key: tuple, make):
+        """A value derived from this layout alone (rotary tables, decode masks), computed once per forward
+        however many layers ask for it."""
+        store = self.__dict__.setdefault("_memo", {})
+        if key not in store:
+            store[key] = make()
+        return store[key]
+
     def groups_by_extend_len(self) -> list[tuple[int, list[int]]]:
         """Sequences with equal extend length, which recurrent layers run as one [G, T] batch."""
         groups: dict[int, list[int]] = {}

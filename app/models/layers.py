@@ -117,9 +117,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_l
     """
     t, h = q.shape[0], q.shape[1]
     s = k.shape[0]
-    if k.shape[1] != h:
-        k = k.repeat_interleave(h // k.shape[1], dim=1)
-        v = v.repeat_interleave(h // v.shape[1], dim=1)
+    gqa = k.shape[1] != h  # grouped KV heads: sdpa shares them without materialising copies
     # [1, H, T, D]: with a batch dim torch's CPU sdpa takes its fused flash kernel (3-D inputs take the
     # unfused math path; bench_engine's cold prefill at 2048 tokens halved with this)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
@@ -127,23 +125,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_l
     if t > 1 and dv < qh.shape[-1]:  # MLA (v narrower than q/k): the fused kernel wants equal head dims, so
         vh = F.pad(vh, (0, qh.shape[-1] - dv))  # pad v with zero columns, which only add zero output columns
     if t == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     elif cached_len == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         mask = torch.arange(s)[None, :] <= (torch.arange(t)[:, None] + cached_len)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0, ..., :dv].transpose(0, 1)
 
 
 def batched_causal_attention(q, k, v, scale: float) -> torch.Tensor:
     """Training path, no cache. q: [B, T, H, Dq]; k: [B, T, Hkv, Dq]; v: [B, T, Hkv, Dv] -> [B, T, H, Dv]."""
-    h = q.shape[2]
-    if k.shape[2] != h:
-        k = k.repeat_interleave(h // k.shape[2], dim=2)
-        v = v.repeat_interleave(h // v.shape[2], dim=2)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=k.shape[2] != q.shape[2],
     )
     return out.transpose(1, 2)
 
@@ -180,8 +175,8 @@ def attend(
         rows = layout.last_token_index[decode]
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
         b, s_max = history.shape[:2]
-        lengths = torch.tensor([layout.cached_lens[i] + 1 for i in decode])
-        mask = torch.arange(s_max)[None, :] < lengths[:, None]  # [B, S_max]
+        mask = layout.memo(("decode_mask", s_max), lambda: torch.arange(s_max)[None, :] < torch.tensor(
+            [layout.cached_lens[i] + 1 for i in decode])[:, None])  # [B, S_max]
         if absorbed_decode is not None:
             pieces.append((rows, absorbed_decode(q[rows], history, mask)))
         else:
@@ -208,10 +203,6 @@ def attend(
 
 def _padded_decode_attention(q, k, v, mask, scale) -> torch.Tensor:
     """q: [B, H, Dq]; k: [B, S, Hkv, Dq]; v: [B, S, Hkv, Dv]; mask: [B, 1, 1, S] -> [B, H, Dv]."""
-    h = q.shape[1]
-    if k.shape[2] != h:
-        k = k.repeat_interleave(h // k.shape[2], dim=2)
-        v = v.repeat_interleave(h // v.shape[2], dim=2)
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
+                                         attn_mask=mask, scale=scale, enable_gqa=k.shape[2] != q.shape[1])
     return out[:, :, 0, :]

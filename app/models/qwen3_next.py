@@ -163,7 +163,8 @@ class GatedAttention(nn.Module):
         q, gate = qg.reshape(n, self.heads, 2 * self.d).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(n, self.kv_heads, self.d))
-        cos, sin = rotary_cos_sin(layout.positions, self.rotary_dim, self.theta)
+        cos, sin = layout.memo(("rotary", self.rotary_dim, self.theta),
+                               lambda: rotary_cos_sin(layout.positions, self.rotary_dim, self.theta))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         entries = torch.cat([k.reshape(n, -1), v], dim=-1)
         out = attend(layer_idx, q, entries, layout, kv, self._expand, self.d ** -0.5)
