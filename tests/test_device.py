@@ -55,6 +55,8 @@ def test_bfloat16_engine_hits_equal_cold_and_track_fp32(name):
     first_fp32 = [o[0].output_ids[0] for o in ref.generate(prompts, GREEDY)]
     engine = Engine(load_model(name), tok, EngineConfig(dtype="bfloat16", interval=64))
     assert engine.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    decay = [p.dtype for n, p in engine.model.named_parameters() if n.endswith(("A_log", "dt_bias"))]
+    assert decay and set(decay) == {torch.float32}  # kept fp32, as transformers keeps them
     cold = [o[0] for o in engine.generate(prompts, GREEDY)]
     hot = [o[0] for o in engine.generate(prompts, GREEDY)]
     assert all(o.cached_tokens > 0 for o in hot)

@@ -29,6 +29,7 @@ from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
+from app.models.loader import cast_model
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Worker:
     def __init__(self, model: HybridForCausalLM, cfg: EngineConfig, codec: CheckpointCodec | None = None,
                  tp: TPContext | None = None) -> None:
         self.device = worker_device(cfg.device, tp.rank if tp else 0)
-        self.model = model.to(self.device, getattr(torch, cfg.dtype)).eval()
+        self.model = cast_model(model.to(self.device), getattr(torch, cfg.dtype)).eval()
         self.tp = tp
         self._allocate(cfg, codec)
         self.snapshots: dict[tuple[int, int], object] = {}

@@ -151,7 +151,17 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
             if t.shape != expected[target].shape:
                 t = t.reshape(expected[target].shape)  # e.g. A_log [H] vs [1, 1, H, 1]
             expected[target].copy_(t)
-    return model.to(dtype).eval()
+    return cast_model(model, dtype).eval()
+
+
+def cast_model(model: HybridForCausalLM, dtype: torch.dtype) -> HybridForCausalLM:
+    """Floating parameters to `dtype`, except the decay parameters (A_log, dt_bias) and the router bias, which
+    stay fp32 as transformers keeps them: the recurrent layers read them in fp32 anyway."""
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if p.is_floating_point():
+                p.data = p.data.to(torch.float32 if name.endswith(_DECAY_FP32) else dtype)
+    return model
 
 
 def hub_tensors(model: HybridForCausalLM) -> dict[str, torch.Tensor]:
@@ -194,6 +204,9 @@ def save_model(model: HybridForCausalLM, config: dict, out_dir: str | Path, dtyp
     return out_dir
 
 
+_DECAY_FP32 = ("A_log", "dt_bias", "e_score_correction_bias")
+
+
 def _keep_fp32(name: str) -> bool:
     """Decay parameters and router tensors stay fp32, as transformers keeps them (`_keep_in_fp32_modules`)."""
-    return name.endswith(("A_log", "dt_bias", "e_score_correction_bias")) or name.endswith("gate.weight")
+    return name.endswith(_DECAY_FP32) or name.endswith("gate.weight")
