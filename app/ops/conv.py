@@ -66,9 +66,11 @@ def conv_states_at(
 ) -> torch.Tensor:
     """The carried states after the first t inputs, for t in `at`: [len(at), B, C, W-1], each the W-1 raw
     inputs before position t of concat(state, x) (what `causal_conv1d` on x[:, :t] would return)."""
-    xs = _with_state(x, weight, initial_state)
     w = weight.shape[-1] - 1
-    return torch.stack([xs[:, :, t : t + w] for t in at])
+    if initial_state is None or min(at) < w:  # a window reaching back into the carried state
+        xs = _with_state(x, weight, initial_state)
+        return torch.stack([xs[:, :, t : t + w] for t in at])
+    return torch.stack([x[:, t - w : t] for t in at]).transpose(-1, -2).to(x.dtype)  # inside x: no concat
 
 
 def _with_state(x, weight, initial_state):
