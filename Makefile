@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast serve loadtest clean
+.PHONY: install test test-fast gpu-check serve loadtest clean
 
 HOST ?= http://127.0.0.1:8000
 LOADTEST_TIME ?= 60s
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow"
+
+# On a CUDA machine: the checks a GPU adds (engine on CUDA vs CPU, TP over NCCL, Triton kernels compiled).
+gpu-check: $(STAMP)
+	$(BIN)/python -m pytest tests/test_device.py tests/test_kernels.py -rs
 
 # Install if needed, then serve the shipped default model (configs/config.yaml) on 127.0.0.1:8000.
 serve: $(STAMP)

@@ -4,8 +4,8 @@ In one run, on one checkpoint:
 1. TTFT for prompts of 256..2048 tokens: cold (no cache), hit at the prompt end, hit that replays from an
    earlier interval checkpoint (the prompt shares all but its last `--diverge` tokens with a cached one), and
    for each hit the time to prefill only its uncached suffix with the model alone (state and KV ready), which
-   is the floor a cache hit can reach (a prompt-end hit repeats the same work, so it and its floor are timed
-   --hit-samples times per repeat). Also transformers' `generate` (1 new token) as the baseline.
+   is the floor a cache hit can reach. Each hit and its floor are timed --hit-samples times per repeat (a
+   replay on a freshly filled engine each time). Also transformers' `generate` (1 new token) as the baseline.
 2. Decode tokens/s against batch size, ours vs transformers' `generate` on equal-length prompts.
 3. Serving throughput on a mixed batch: 16 requests with prompt lengths and output budgets drawn from a seeded
    generator, end to end (prefill included), ours (continuous batching) vs `generate` on the same 16 as one
@@ -69,6 +69,14 @@ def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
     return t
 
 
+def filled(model, tok, interval: int, prompt: list[int]) -> Engine:
+    """A cache-enabled engine that has served `prompt` once (its prompt-end and interval checkpoints)."""
+    engine = Engine(model, tok, EngineConfig(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
+                                             checkpoint_slots=64))
+    ttft(engine, prompt)
+    return engine
+
+
 def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples) -> list[dict]:
     source = corpus_ids(tok, max(lengths) * (repeats + 2) * 2)
     rows = []
@@ -79,16 +87,17 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
             other = source[(2 * r + 1) * L : (2 * r + 2) * L]
             cold_engine = Engine(model, tok, EngineConfig(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
             cold.append(ttft(cold_engine, base)[0])
-            hot = Engine(model, tok, EngineConfig(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
-                                                  checkpoint_slots=64))
-            ttft(hot, base)  # fill: prompt-end and interval checkpoints of `base`
+            hot = filled(model, tok, interval, base)
             hits = [ttft(hot, base) for _ in range(hit_samples)]  # each the same work: nothing new is stored
             c = hits[0][1]
             end_hit.append(median([t for t, _ in hits])), cached_end.append(c)
             floor_end.append(median([suffix_prefill(model, base, c) for _ in range(hit_samples)]))
+            # a replay stores its branch point, so a second one would hit there: a freshly filled engine each
             branch = base[: L - diverge] + other[:diverge]
-            t, c = ttft(hot, branch)
-            replay.append(t), cached_replay.append(c), floor_replay.append(suffix_prefill(model, branch, c))
+            replays = [ttft(filled(model, tok, interval, base), branch) for _ in range(hit_samples)]
+            c = replays[0][1]
+            replay.append(median([t for t, _ in replays])), cached_replay.append(c)
+            floor_replay.append(median([suffix_prefill(model, branch, c) for _ in range(hit_samples)]))
             hf.append(hf_generate_time(ref, [base], 1))
         row = {"prompt_len": L, "cold_ms": median(cold) * 1e3, "hf_generate_ms": median(hf) * 1e3,
                "hit_end_ms": median(end_hit) * 1e3, "hit_end_cached": median(cached_end),
@@ -172,7 +181,7 @@ def main(argv=None) -> None:
     p.add_argument("--interval", type=int, default=128)
     p.add_argument("--diverge", type=int, default=96, help="replay case: tokens after the shared prefix")
     p.add_argument("--hit-samples", type=int, default=5,
-                   help="prompt-end hits (and their floor) timed this many times per repeat, median taken")
+                   help="hits (and their floors) timed this many times per repeat, median taken")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"], choices=["ttft", "decode", "mixed"])
     p.add_argument("--out", default=None, help="append the markdown section to this file")
@@ -189,7 +198,7 @@ def main(argv=None) -> None:
     mixed = bench_mixed(model, tok, ref, args.repeats) if "mixed" in args.sections else None
     md = header(f"Engine: TTFT and decode ({args.model})", config)
     if ttft_rows:
-        md += ("\nTTFT in ms (median of %d repeats; prompt-end hits and their floor: of %d samples each per repeat). "
+        md += ("\nTTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
                "*floor*: model-only prefill of the uncached suffix.\n\n" % (args.repeats, args.hit_samples))
         md += table(["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached",
                      "floor", "ratio"],
