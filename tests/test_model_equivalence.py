@@ -1,4 +1,5 @@
-"""Our model forward against `transformers` on the same weights (fp32, tolerance 1e-5 max abs on logits).
+"""Our model forward against `transformers` on the same weights (fp32, tolerance 1e-5 max abs on logits),
+and the stacked projection cache behind it.
 
 Tiny random configs of both families, saved by transformers in its hub layout and loaded by our loader:
 whole-prompt prefill, chunked prefill that carries state across chunks, and greedy decode steps after it.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import DynamicCache
 from transformers import KimiLinearConfig as HFKimiConfig
 from transformers import KimiLinearForCausalLM as HFKimi
@@ -15,6 +18,7 @@ from transformers import Qwen3NextConfig as HFQwenConfig
 from transformers import Qwen3NextForCausalLM as HFQwen
 
 from app.models.batch import BatchLayout, ContiguousKV
+from app.models.layers import stacked_linear
 from app.models.loader import load_model, save_model
 
 TOL = 1e-5  # measured max abs error is below 1e-6; the issue allows up to 1e-4
@@ -165,3 +169,28 @@ def test_mla_absorbed_decode_equals_expanded_attention():
                                    mask[:, None, None, :], mla.scale)
     got = mla._absorbed_decode(q, history, mask)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_stacked_linear_follows_weight_changes():
+    """The cached stacked weight is rebuilt after in-place updates, replaced parameters, swapped .data and
+    resharding (new shapes); with autograd the linears run separately and gradients reach them."""
+    a, b = nn.Linear(4, 3, bias=False), nn.Linear(4, 2, bias=False)
+    x = torch.randn(5, 4)
+
+    def check():
+        with torch.no_grad():
+            want = torch.cat([F.linear(x, a.weight), F.linear(x, b.weight)], -1)
+            assert torch.allclose(stacked_linear(x, [a, b]), want, atol=1e-6)
+
+    check()
+    with torch.no_grad():
+        a.weight.mul_(2)
+    check()
+    b.weight = nn.Parameter(torch.randn(2, 4))
+    check()
+    a.weight.data = torch.randn(3, 4)
+    check()
+    b.weight = nn.Parameter(b.weight[:1].clone())
+    check()
+    stacked_linear(x, [a, b]).sum().backward()
+    assert a.weight.grad is not None and b.weight.grad is not None

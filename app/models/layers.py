@@ -22,12 +22,20 @@ def stacked_linear(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tenso
     weights = [lin.weight for lin in linears]
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return torch.cat([F.linear(x, w) for w in weights], dim=-1)
-    key = tuple((w.data_ptr(), w._version) for w in weights)
     cached = getattr(linears[0], "_stacked", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.cat([w.detach() for w in weights]))
+    if cached is None or not _same_weights(cached[0], cached[1], weights):
+        # `kept` holds the source storages, so no new tensor can reuse their addresses while cached
+        kept = [w.detach() for w in weights]
+        cached = (kept, [w._version for w in weights], torch.cat(kept))
         linears[0]._stacked = cached
-    return F.linear(x, cached[1])
+    return F.linear(x, cached[2])
+
+
+def _same_weights(kept: list[torch.Tensor], versions: list[int], weights: list[torch.Tensor]) -> bool:
+    """Whether every weight is still the stored tensor (same storage) and unmodified since (same version)."""
+    return len(kept) == len(weights) and all(
+        w.data_ptr() == k.data_ptr() and w.shape == k.shape and w._version == v
+        for k, v, w in zip(kept, versions, weights))
 
 
 class RMSNorm(nn.Module):
