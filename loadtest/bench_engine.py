@@ -63,9 +63,12 @@ def suffix_prefill(model, prompt: list[int], cached: int) -> float:
 
 @torch.no_grad()
 def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts)
-    t, _ = timed(ref.generate, ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    """`generate` on one batch, left-padded (pad id 0, masked) where lengths differ, for `new_tokens` steps."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t, _ = timed(ref.generate, ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                 do_sample=False, pad_token_id=0)
     return t
 
 
@@ -148,7 +151,7 @@ def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_t
             engine.add_request(p, SamplingParams(max_tokens=b, temperature=0.0, ignore_eos=True))
         t, _ = timed(_drain, engine)
         ours.append(useful / t)
-        theirs.append(useful / hf_padded_time(ref, prompts, max(budgets)))
+        theirs.append(useful / hf_generate_time(ref, prompts, max(budgets)))
     row = {"batch": batch, "prompt_lens": lens, "budgets": budgets, "ours_tok_s": median(ours),
            "hf_tok_s": median(theirs)}
     row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
@@ -159,17 +162,6 @@ def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_t
 def _drain(engine: Engine) -> None:
     while engine.has_unfinished():
         engine.step()
-
-
-@torch.no_grad()
-def hf_padded_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
-    """`generate` on one left-padded batch (pad id 0, masked) for `new_tokens` steps."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    t, _ = timed(ref.generate, ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                 do_sample=False, pad_token_id=0)
-    return t
 
 
 def main(argv=None) -> None:

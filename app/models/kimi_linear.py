@@ -110,10 +110,6 @@ class KimiForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
         self.heads, self.head_dim = h, k
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, D] -> g: [N, H, K] fp32."""
-        return self.decay(self.f_b_proj(self.f_a_proj(x)))
-
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """f_b_proj's output [N, H * K] -> g: [N, H, K] fp32."""
         a = f.float() + self.dt_bias.float()

@@ -191,8 +191,6 @@ def attend(
             k, v = expand(history.flatten(0, 1))
             k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
             pieces.append((rows, _padded_decode_attention(q[rows], k, v, mask[:, None, None, :], scale)))
-        if len(decode) == layout.num_seqs:  # a pure decode step: rows are 0 .. B-1 in order
-            return pieces[0][1]
         decode = set(decode)
     else:
         decode = set()
@@ -201,7 +199,7 @@ def attend(
             continue
         k, v = expand(kv.extend(layer, i, entries[lo:hi]))
         pieces.append((torch.arange(lo, hi), causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)))
-    if len(pieces) == 1:
+    if len(pieces) == 1:  # one piece covers the whole batch (a pure decode step, one sequence), in row order
         return pieces[0][1]
     out = q.new_empty(q.shape[0], *pieces[0][1].shape[1:])
     for rows, o in pieces:

@@ -35,11 +35,7 @@ def causal_conv1d(
     xs = _with_state(x, weight, initial_state)  # [B, C, W-1+T]
     C, W = weight.shape
     b = None if bias is None else bias.float()
-    if x.shape[1] == 1:  # decode step: one dot product per channel is cheaper than a grouped conv
-        y = (xs.float() * weight.float()).sum(-1, keepdim=True)
-        y = y if b is None else y + b[:, None]
-    else:
-        y = F.conv1d(xs.float(), weight.float().unsqueeze(1), b, groups=C)  # [B, C, T]
+    y = F.conv1d(xs.float(), weight.float().unsqueeze(1), b, groups=C)  # [B, C, T]; decode: app/ops/step.py
     return _finish(y, activation, x.dtype), xs[:, :, xs.shape[-1] - (W - 1) :]
 
 
@@ -67,10 +63,10 @@ def conv_states_at(
     """The carried states after the first t inputs, for t in `at`: [len(at), B, C, W-1], each the W-1 raw
     inputs before position t of concat(state, x) (what `causal_conv1d` on x[:, :t] would return)."""
     w = weight.shape[-1] - 1
-    if initial_state is None or min(at) < w:  # a window reaching back into the carried state
+    if min(at) < w:  # a window reaching back into the carried state
         xs = _with_state(x, weight, initial_state)
         return torch.stack([xs[:, :, t : t + w] for t in at])
-    return torch.stack([x[:, t - w : t] for t in at]).transpose(-1, -2).to(x.dtype)  # inside x: no concat
+    return torch.stack([x[:, t - w : t] for t in at]).transpose(-1, -2)  # windows inside x: no concat
 
 
 def _with_state(x, weight, initial_state):

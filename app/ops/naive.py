@@ -9,8 +9,7 @@ Shared notation (state S is k-major, [K, V]: row S[k, :] is the d_v-vector the p
 
 Semantics are those of transformers' `torch_recurrent_gated_delta_rule` (Qwen3-Next) and
 `recurrent_kimi_delta_attention` (Kimi-Linear) with `use_qk_l2norm_in_kernel=False`: q and k are used as
-given (the model l2-normalises them first). These functions also serve as the single-token decode step
-(T=1 is one trip through the loop).
+given (the model l2-normalises them first). At T=1 they are the twins of the decode step in `step.py`.
 """
 
 from __future__ import annotations
