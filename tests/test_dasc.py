@@ -75,7 +75,7 @@ def _rows(state: LinearStates, j: int) -> torch.Tensor:
 
 
 def _tensor_bytes(codec) -> int:
-    tensors = [codec.values, codec.scales, *codec.conv] if isinstance(codec, DascCodec) else codec.conv + codec.ssm
+    tensors = [codec.values, codec.scales, codec.conv] if isinstance(codec, DascCodec) else [codec.conv, codec.ssm]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -308,6 +308,24 @@ def test_nr_load_zero_fills_omitted_units_and_keeps_retained_exact(geometry, lay
         out.conv[0].fill_(7.0)
         again = codec.load(2)
         assert all(torch.equal(a, b) for a, b in zip(again.conv + again.ssm, before.conv + before.ssm))
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+@pytest.mark.parametrize("geometry", [KDA, GDN], ids=["kda", "gdn"])
+def test_fused_store_and_load_equal_the_per_layer_ones(geometry, layout, quant):
+    """The one-call store and load a GPU uses and the layer-by-layer ones the CPU uses fill a slot and restore
+    a state identically."""
+    template = _template(geometry)
+    state = _template(geometry, 6)
+    for plan in _plans(geometry, seeds=[6]):
+        codec = DascCodec(template, plan, layout, quant)
+        codec.allocate(3)
+        codec._store_layers(1, state)
+        codec._store_fused(2, state)
+        assert torch.equal(codec.values[1], codec.values[2])
+        assert codec.scales is None or torch.equal(codec.scales[1], codec.scales[2])
+        assert all(torch.equal(a, b) for a, b in zip(codec._load_fused(1), codec._load_layers(1)))
 
 
 # ---------------------------------------------------------------------------------------------- 6. wr window

@@ -1,7 +1,5 @@
 """Engine device and dtype: config validation, clear errors without a GPU, bfloat16 on the CPU, the replica's
-resource reservation, and (where CUDA is present) the engine on a GPU against the CPU engine and TP over NCCL.
-
-The CUDA tests are skipped on CPU-only machines; they are what a GPU run of the suite adds.
+resource reservation and the shipped configs. The GPU checks themselves are in tests/test_cuda.py.
 """
 
 from __future__ import annotations
@@ -17,13 +15,11 @@ import yaml
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
-from app.engine.tp import build_engine
 from app.models.loader import load_model
 from deployments.builder import ServeArgs, _replica_resources
-from tests.helpers import load_zoo, record_logits
+from tests.helpers import load_zoo
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def _prompts(tok):
@@ -81,41 +77,3 @@ def test_shipped_configs_validate(path):
     if path.name == "gpu-tp8.yaml":
         assert (cfg.tp_size, cfg.engine.device, cfg.placement) == (8, "cuda", "balanced")
         assert _replica_resources(cfg)["ray_actor_options"]["num_gpus"] == 8
-
-
-@no_cuda
-@pytest.mark.parametrize("name, w_max, quant", [("kda-tiny", None, "none"), ("gdn-tiny", None, "none"),
-                                                ("kda-tiny", 16, "none"), ("kda-tiny", 16, "int8"),
-                                                ("gdn-tiny", 128, "int8")])
-def test_cuda_engine_matches_cpu_engine(name, w_max, quant, monkeypatch):
-    """Same greedy tokens and cached lengths on the GPU as on the CPU (dasc checkpoints through the Triton
-    pack/unpack kernels on CUDA), logits within 1e-3 (TF32 off: full fp32 on both sides)."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    _, tok = load_zoo(name)
-    prompts = _prompts(tok)
-    cfg = dict(interval=64, w_max=w_max, quant=quant)
-    outs, logits = {}, {}
-    for device in ("cpu", "cuda"):
-        engine = Engine(load_model(name), tok, EngineConfig(device=device, **cfg))
-        logits[device] = record_logits(engine)
-        outs[device] = [[o[0] for o in engine.generate(prompts, GREEDY)] for _ in range(2)]
-        engine.check_integrity()
-    assert [[o.output_ids for o in run] for run in outs["cuda"]] == [[o.output_ids for o in run] for run in outs["cpu"]]
-    assert [o.cached_tokens for o in outs["cuda"][1]] == [o.cached_tokens for o in outs["cpu"][1]]
-    cpu, gpu = logits["cpu"], logits["cuda"]
-    assert max((cpu[k] - gpu[k]).abs().max().item() for k in cpu) < 1e-3
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("placement", ["off", "balanced"])
-def test_tp2_over_nccl_equals_tp1(placement):
-    cfg = EngineConfig(device="cuda", checkpoint_slots=8, interval=32, w_max=16, max_running=8, kv_slots=4096)
-    one = build_engine("kda-tiny", cfg, 1)
-    prompts = _prompts(one.tokenizer)
-    outs1 = [one.generate([p], GREEDY)[0][0].output_ids for p in prompts]
-    two = build_engine("kda-tiny", cfg, 2, placement)
-    try:
-        assert [two.generate([p], GREEDY)[0][0].output_ids for p in prompts] == outs1
-    finally:
-        two.tp_group.close()

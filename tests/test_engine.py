@@ -175,3 +175,46 @@ def test_text_stop_strings_and_stop_ids(zoo):
         max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,)))
     assert outs[-1].finish_reason == "stop" and outs[-1].output_ids == final.output_ids[: first + 1]
     assert outs[-1].text == tok.decode(final.output_ids[:first])
+
+
+@pytest.mark.parametrize("cfg", [{}, {"w_max": 16, "interval": 64}, {"w_max": 128, "quant": "int8", "policy": "wr"},
+                                 {"enable_cache": False}, {"max_running": 1}],
+                         ids=["dense", "dasc-nr", "dasc-int8-wr", "no-cache", "one-slot"])
+def test_n_samples_fork_the_leaders_exact_state(zoo, cfg):
+    """n > 1: the samples start from the leader's exact state at the fork point (not from its checkpoint, which
+    dasc stores lossily), so greedy samples equal each other and the n = 1 output of the same engine setup;
+    afterwards every state slot is free. With one state slot there is no room to hold the fork state and
+    the samples start from the fork checkpoint (exact with the dense codec)."""
+    model, tok = zoo
+    prompts = _prompts(tok, 6)
+    want = [o[0].output_ids for o in Engine(model, tok, EngineConfig(**cfg)).generate(prompts, GREEDY)]
+    eng = Engine(model, tok, EngineConfig(**cfg))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3))
+    assert [[s.output_ids for s in o] for o in outs] == [[w] * 3 for w in want]
+    eng.check_integrity()
+    assert eng.scheduler.states.num_free == eng.cfg.max_running
+
+
+def test_seeded_samples_differ_and_repeat(zoo):
+    model, tok = zoo
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    prompt = _prompts(tok, 1)[0]
+    runs = [[s.output_ids for s in Engine(model, tok, EngineConfig(w_max=16)).generate([prompt], params)[0]]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len({tuple(s) for s in runs[0]}) == 3
+
+
+def test_abort_releases_a_held_fork_state(zoo):
+    model, tok = zoo
+    eng = Engine(model, tok, EngineConfig(w_max=16))
+    rid = eng.add_request(_prompts(tok, 1)[0], SamplingParams(max_tokens=8, temperature=0.0, n=4, ignore_eos=True))
+    leader = eng._seqs[rid][0]
+    while leader.fork is None:
+        eng.step()
+    assert leader.fork.state_slot is not None
+    eng.abort(rid)
+    assert not eng.has_unfinished() and eng.scheduler.states.num_free == eng.cfg.max_running
+    assert leader.fork.state_slot is None
+    eng.check_integrity()
+    assert all(n.lock == (n is eng.cache.tree.root) for n in eng.cache.tree.nodes())  # the root's own lock

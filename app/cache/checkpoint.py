@@ -10,6 +10,7 @@ bytes (physical * bytes_per_slot) never exceed the budget.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -38,31 +39,66 @@ class CheckpointCodec(ABC):
         """A fresh batch-1 active state restored from `slot` (the stored checkpoint is not touched)."""
 
 
+@dataclass(frozen=True)
+class FlatLayout:
+    """Batch-1 tensors of one dtype laid end to end, so a slot holds them as one flat row and a store or a load
+    is one copy whatever the number of layers (on a GPU, kernel launches rather than bytes bound a checkpoint
+    copy). shapes[j]: tensor j without its batch dimension."""
+
+    shapes: tuple[torch.Size, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> "FlatLayout":
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise ValueError(f"one flat layout holds one dtype, got {sorted(map(str, dtypes))}")
+        return cls(tuple(t.shape[1:] for t in tensors), dtypes.pop() if dtypes else torch.float32)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.tensor([], dtype=self.dtype).element_size()
+
+    def zeros(self, num_slots: int) -> torch.Tensor:
+        return torch.zeros(num_slots, self.numel, dtype=self.dtype)
+
+    def write(self, row: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """row [numel] <- the batch-1 tensors, end to end."""
+        if tensors:
+            with torch.no_grad():  # stored data, whatever produced it
+                torch.cat([t.reshape(-1) for t in tensors], out=row)
+
+    def read(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """A fresh copy of the row, as batch-1 tensors (views of that one copy)."""
+        flat = row.clone()
+        return [v.view(1, *s) for v, s in zip(flat.split([s.numel() for s in self.shapes]), self.shapes)]
+
+
 class DenseCodec(CheckpointCodec):
-    """Exact copy: conv window in the model dtype, delta-rule state fp32."""
+    """Exact copy: conv windows in the model dtype and delta-rule states in fp32, each kind in one flat row
+    per slot (`FlatLayout`)."""
 
     def __init__(self, template: LinearStates) -> None:
-        self._conv_shapes = [(c.shape[1:], c.dtype) for c in template.conv]
-        self._ssm_shapes = [(s.shape[1:], s.dtype) for s in template.ssm]
-        self.conv: list[torch.Tensor] = []
-        self.ssm: list[torch.Tensor] = []
+        self.conv_layout, self.ssm_layout = FlatLayout.of(template.conv), FlatLayout.of(template.ssm)
+        self.conv = self.ssm = None
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(torch.Size(s).numel() * torch.tensor([], dtype=d).element_size()
-                   for s, d in self._conv_shapes + self._ssm_shapes)
+        return self.conv_layout.nbytes + self.ssm_layout.nbytes
 
     def allocate(self, num_slots: int) -> None:
-        self.conv = [torch.zeros(num_slots, *s, dtype=d) for s, d in self._conv_shapes]
-        self.ssm = [torch.zeros(num_slots, *s, dtype=d) for s, d in self._ssm_shapes]
+        self.conv, self.ssm = self.conv_layout.zeros(num_slots), self.ssm_layout.zeros(num_slots)
 
     def store(self, slot: int, state: LinearStates) -> None:
-        for dst, src in zip(self.conv + self.ssm, state.conv + state.ssm):
-            dst[slot] = src[0]
+        self.conv_layout.write(self.conv[slot], state.conv)
+        self.ssm_layout.write(self.ssm[slot], state.ssm)
 
     def load(self, slot: int) -> LinearStates:
-        return LinearStates([c[slot : slot + 1].clone() for c in self.conv],
-                            [s[slot : slot + 1].clone() for s in self.ssm])
+        return LinearStates(self.conv_layout.read(self.conv[slot]), self.ssm_layout.read(self.ssm[slot]))
 
 
 def physical_slots(bytes_per_slot: int, budget_bytes: int | None = None, num_slots: int | None = None) -> int:

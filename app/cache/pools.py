@@ -101,9 +101,14 @@ class StateStorage:
         for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
             dst.index_copy_(0, idx, src.to(dst.dtype))
 
+    def view(self, slot: int) -> LinearStates:
+        """The slot's state as batch-1 views, no copy: for readers that copy it themselves (a checkpoint store)."""
+        return LinearStates([c[slot : slot + 1] for c in self.conv], [s[slot : slot + 1] for s in self.ssm])
+
     def write(self, slot: int, state: LinearStates) -> None:
-        """Copy a single-sequence state (batch 1) into `slot`: loading a checkpoint or forking."""
-        self.scatter([slot], state)
+        """Copy a single-sequence state (batch 1) into `slot`: loading a checkpoint or forking. One foreach
+        copy for all layers (one launch on a GPU rather than one per tensor)."""
+        torch._foreach_copy_([t[slot] for t in self.conv + self.ssm], [s[0] for s in state.conv + state.ssm])
 
     def zero(self, slot: int) -> None:
         for t in self.conv + self.ssm:

@@ -5,15 +5,21 @@ refreshes those zeros (app/dasc/policy.py).
 Storage of one slot (rows of length d_v; a KDA unit is 1 row, a GDN unit d_k rows):
     ragged:  values [sum_l m_l, d_v]      layer l at row offset sum_{j<l} m_j
     padded:  values [L, max_l m_l, d_v]   layer l in rows [0, m_l) of its block, the rest padding
-    INT8:    values int8 plus scales [rows] fp32;   conv windows [C_l, W-1] in the model dtype, uncompressed
+    INT8:    values int8 plus scales [rows] fp32;   conv windows: one flat row in the model dtype, uncompressed
 `bytes_per_slot` equals the storage really allocated per slot and `layout.slot_bytes(...)` (tested).
+
+On a GPU, where kernel launches rather than bytes bound a checkpoint copy, a store packs every layer in one
+call (from the layers' states concatenated) and a load unpacks them in one call into one zero-filled
+[sum_l R_l, d_v] buffer whose per-layer views form the state. On the CPU both go layer by layer: a store then
+reads only the retained rows, and a load allocates per-layer buffers the allocator reuses. The two paths
+write and restore the same bytes (tested).
 """
 
 from __future__ import annotations
 
 import torch
 
-from app.cache.checkpoint import CheckpointCodec
+from app.cache.checkpoint import CheckpointCodec, FlatLayout
 from app.dasc.layout import slot_bytes
 from app.dasc.plan import SelectionPlan
 from app.models.batch import LinearStates
@@ -25,18 +31,22 @@ class DascCodec(CheckpointCodec):
         if len(plan.layers) != len(template.ssm):
             raise ValueError("plan and model disagree on the number of recurrent layers")
         self.plan, self.layout, self.quant = plan, layout, quant
-        self._conv_meta = [(c.shape[1:], c.dtype) for c in template.conv]
+        self.conv_layout = FlatLayout.of(template.conv)
         self._ssm_shape = [s.shape[1:] for s in template.ssm]  # [H, K, V]
-        self.rows = [retained_rows(lp) for lp in plan.layers]
         self.d_v = self._ssm_shape[0][-1]
+        if any(shape[-1] != self.d_v for shape in self._ssm_shape):
+            raise ValueError("every recurrent layer must share d_v")
+        self.rows = [retained_rows(lp) for lp in plan.layers]  # per layer, in its [H * K, d_v] view
         self._max_rows = max(len(r) for r in self.rows)
-        self._offsets = [0]
-        for r in self.rows:
+        self._offsets, self._state_offsets = [0], [0]  # packed rows and state rows before layer l
+        for r, shape in zip(self.rows, self._ssm_shape):
             self._offsets.append(self._offsets[-1] + len(r))
-        conv_bytes = sum(torch.Size(s).numel() * torch.tensor([], dtype=d).element_size() for s, d in self._conv_meta)
-        self.accounting = slot_bytes(plan, layout, quant, conv_bytes)
-        self.values = self.scales = None
-        self.conv: list[torch.Tensor] = []
+            self._state_offsets.append(self._state_offsets[-1] + shape[:-1].numel())
+        # the retained rows of the concatenated state, in packed order; for padded, where each sits in L * max_m
+        self._all_rows = torch.cat([r + base for r, base in zip(self.rows, self._state_offsets)])
+        self._padded_at = torch.cat([torch.arange(len(r)) + j * self._max_rows for j, r in enumerate(self.rows)])
+        self.accounting = slot_bytes(plan, layout, quant, self.conv_layout.nbytes)
+        self.values = self.scales = self.conv = None
 
     @property
     def bytes_per_slot(self) -> int:
@@ -45,7 +55,7 @@ class DascCodec(CheckpointCodec):
     @property
     def allocated_bytes_per_slot(self) -> int:
         """Measured from the tensors themselves (after `allocate`)."""
-        tensors = [self.values, self.scales] + self.conv
+        tensors = [self.values, self.scales, self.conv]
         return sum(t.shape[1:].numel() * t.element_size() for t in tensors if t is not None)
 
     def allocate(self, num_slots: int) -> None:
@@ -53,7 +63,7 @@ class DascCodec(CheckpointCodec):
         rows_shape = (self._offsets[-1],) if self.layout == "ragged" else (len(self.rows), self._max_rows)
         self.values = torch.zeros(num_slots, *rows_shape, self.d_v, dtype=dtype)
         self.scales = torch.zeros(num_slots, *rows_shape, dtype=torch.float32) if self.quant == "int8" else None
-        self.conv = [torch.zeros(num_slots, *s, dtype=d) for s, d in self._conv_meta]
+        self.conv = self.conv_layout.zeros(num_slots)
 
     def _block(self, t: torch.Tensor, slot: int, layer: int) -> torch.Tensor:
         """The storage rows of `layer` in `slot` (a view)."""
@@ -62,23 +72,59 @@ class DascCodec(CheckpointCodec):
         return t[slot, layer, : len(self.rows[layer])]
 
     def store(self, slot: int, state: LinearStates) -> None:
+        if state.ssm[0].is_cuda:
+            self._store_fused(slot, state)
+        else:
+            self._store_layers(slot, state)
+        self.conv_layout.write(self.conv[slot], state.conv)
+
+    def _store_layers(self, slot: int, state: LinearStates) -> None:
         for j, rows in enumerate(self.rows):
             src = state.ssm[j][0].reshape(-1, self.d_v)
             values, scales = pack.pack_rows(src, rows.to(src.device), self.quant == "int8")
             self._block(self.values, slot, j).copy_(values)
             if scales is not None:
                 self._block(self.scales, slot, j).copy_(scales)
-        for dst, src in zip(self.conv, state.conv):
-            dst[slot] = src[0]
+
+    def _store_fused(self, slot: int, state: LinearStates) -> None:
+        src = torch.cat([s[0].reshape(-1, self.d_v) for s in state.ssm])
+        values, scales = pack.pack_rows(src, self._all_rows.to(src.device), self.quant == "int8")
+        self._put(self.values[slot], values)
+        if scales is not None:
+            self._put(self.scales[slot], scales)
+
+    def _put(self, dst: torch.Tensor, packed: torch.Tensor) -> None:
+        """Packed rows (ragged order) into one slot's storage."""
+        if self.layout == "ragged":
+            dst.copy_(packed)
+        else:
+            dst.flatten(0, 1).index_copy_(0, self._padded_at.to(dst.device), packed)
+
+    def _take(self, src: torch.Tensor) -> torch.Tensor:
+        """One slot's storage as packed rows (ragged order)."""
+        if self.layout == "ragged":
+            return src
+        return src.flatten(0, 1).index_select(0, self._padded_at.to(src.device))
 
     def load(self, slot: int) -> LinearStates:
+        ssm = self._load_fused(slot) if self.values.is_cuda else self._load_layers(slot)
+        return LinearStates(self.conv_layout.read(self.conv[slot]), ssm)
+
+    def _load_layers(self, slot: int) -> list[torch.Tensor]:
         ssm = []
         for j, rows in enumerate(self.rows):
             h, k, v = self._ssm_shape[j]
             scales = None if self.scales is None else self._block(self.scales, slot, j)
-            full = pack.unpack_rows(self._block(self.values, slot, j), scales, rows, h * k)
+            full = pack.unpack_rows(self._block(self.values, slot, j), scales, rows.to(self.values.device), h * k)
             ssm.append(full.view(1, h, k, v))
-        return LinearStates([c[slot : slot + 1].clone() for c in self.conv], ssm)
+        return ssm
+
+    def _load_fused(self, slot: int) -> list[torch.Tensor]:
+        values = self._take(self.values[slot])
+        scales = None if self.scales is None else self._take(self.scales[slot])
+        full = pack.unpack_rows(values, scales, self._all_rows.to(values.device), self._state_offsets[-1])
+        return [full[b:e].view(1, *shape)
+                for b, e, shape in zip(self._state_offsets, self._state_offsets[1:], self._ssm_shape)]
 
 
 def retained_rows(lp) -> torch.Tensor:

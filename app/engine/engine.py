@@ -103,11 +103,14 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        for seq in self._seqs.get(request_id, []):
+        seqs = self._seqs.get(request_id, [])
+        for seq in seqs:
             if not seq.is_finished:
                 if seq in self.scheduler.waiting:
                     self.scheduler.waiting.remove(seq)
                 self._finish(seq, "abort", store=False)
+        if seqs:
+            self.scheduler.drop_fork(seqs[0])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -140,7 +143,10 @@ class Engine:
         at its end from the state itself; and aligned decode intervals."""
         end = seq.num_computed
         for pos in sorted(p for p in seq.cuts if start < p <= end):
-            self._store(seq, pos, seq.cuts.pop(pos), snapshot_at=None if pos == end else pos - start)
+            kind, at = seq.cuts.pop(pos), None if pos == end else pos - start
+            self._store(seq, pos, kind, snapshot_at=at)
+            if kind == "fork":
+                self.scheduler.hold_fork(seq, pos, at)
         if (self.cfg.enable_cache and self.cfg.interval and end % self.cfg.interval == 0 and end >= seq.prompt_len
                 and seq.num_shared < end and not self._checkpoint_close_behind(seq)):
             self._store(seq, end, "interval")

@@ -61,6 +61,19 @@ class Status(enum.Enum):
 
 
 @dataclass(eq=False)
+class ForkHold:
+    """n > 1: the leader's exact state at the fork point (the prompt end), kept in an active-state slot until
+    every sample has started from it, with the tree node (locked meanwhile) and KV slots of the prefix. The
+    samples start from this copy, not from the fork checkpoint, which a dasc codec stores lossily."""
+
+    node: Node
+    pos: int
+    kv_slots: torch.Tensor
+    state_slot: int | None  # None once the last sample took it (or the request ended)
+    waiting: int  # samples still to start from it
+
+
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     index: int
@@ -87,6 +100,7 @@ class Sequence:
     admitted_once: bool = False
     counted: bool = False  # prompt and hit counted in telemetry
     fork_of: "Sequence | None" = None  # n > 1: waits for this leader to reach the fork point
+    fork: ForkHold | None = None  # leader of n > 1: the held fork state (set once)
 
     @property
     def tokens(self) -> list[int]:

@@ -17,7 +17,7 @@ import torch
 from app.cache.pools import SlotAllocator
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
-from app.engine.request import Sequence, Status
+from app.engine.request import ForkHold, Sequence, Status
 
 
 class Work(NamedTuple):
@@ -93,6 +93,9 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def _admit(self, seq: Sequence) -> None:
         """Match the cache, lock the shared prefix, load the checkpoint into a fresh state slot, plan cuts."""
+        hold = seq.fork_of.fork if seq.fork_of is not None else None
+        if hold is not None and hold.state_slot is not None and not seq.admitted_once:
+            return self._admit_fork(seq, hold)
         tokens = seq.tokens
         limit = len(tokens) - 1  # at least one token is always computed, to produce logits
         use_cache = self.cfg.enable_cache or seq.fork_of is not None
@@ -117,6 +120,44 @@ class Scheduler:
         seq.cuts = self._plan_cuts(seq, match)
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def _admit_fork(self, seq: Sequence, hold: ForkHold) -> None:
+        """A sample of an n > 1 request starts from its leader's exact state at the fork point; the last one
+        takes the held slot itself."""
+        hold.waiting -= 1
+        if hold.waiting == 0:
+            seq.state_slot, hold.state_slot = hold.state_slot, None
+        else:
+            seq.state_slot = self.states.alloc(1)[0]
+            self.worker.copy_state(hold.state_slot, None, seq.state_slot)
+        seq.node, seq.num_computed, seq.kv_slots = hold.node, hold.pos, hold.kv_slots.clone()
+        self.cache.lock(seq.node)
+        if hold.state_slot is None:
+            self.cache.unlock(hold.node)
+        seq.num_shared = seq.cached_len = hold.pos
+        seq.admitted_once = True
+        seq.cuts = self._plan_cuts(seq, None)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def hold_fork(self, leader: Sequence, pos: int, snapshot_at: int | None) -> None:
+        """The leader just stored its fork checkpoint at `pos` (its node and KV are in the tree): keep an exact
+        copy of the state there for its samples, if an active-state slot is free (else they start from the
+        checkpoint like any other hit)."""
+        if leader.fork is not None or self.states.num_free == 0:
+            return
+        slot = self.states.alloc(1)[0]
+        self.worker.copy_state(leader.state_slot, snapshot_at, slot)
+        self.cache.lock(leader.node)
+        leader.fork = ForkHold(leader.node, pos, leader.kv_slots[:pos].clone(), slot, leader.params.n - 1)
+
+    def drop_fork(self, leader: Sequence) -> None:
+        """The request ended before every sample started: free the held state and unlock its node."""
+        hold = leader.fork
+        if hold is not None and hold.state_slot is not None:
+            self.states.free([hold.state_slot])
+            self.cache.unlock(hold.node)
+            hold.state_slot = None
 
     def _plan_cuts(self, seq: Sequence, match) -> dict[int, str]:
         """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch points (where

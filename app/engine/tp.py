@@ -32,7 +32,8 @@ from app.models.loader import load_model, resolve_model_dir
 from app.models.shard import check_divisible, shard_model
 from app.models.tokenizer import Tokenizer
 
-VERBS = ("run", "store", "store_snapshot", "load", "zero", "refresh", "configure_checkpoints", "set_policy")
+VERBS = ("run", "store", "store_snapshot", "load", "zero", "copy_state", "refresh", "configure_checkpoints",
+         "set_policy")
 
 
 def build_engine(model: str, cfg: EngineConfig, tp_size: int = 1, placement: str = "off") -> Engine:

@@ -134,7 +134,7 @@ class Worker:
 
     @_on_device
     def store(self, state_slot: int, ckpt_slot: int) -> None:
-        self.codec.store(ckpt_slot, self.states.gather([state_slot]))
+        self.codec.store(ckpt_slot, self.states.view(state_slot))
 
     @_on_device
     def load(self, ckpt_slot: int, state_slot: int) -> None:
@@ -148,6 +148,15 @@ class Worker:
     def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
         """Store the state the last run captured `offset` tokens into `state_slot`'s piece."""
         self.codec.store(ckpt_slot, self.snapshots[(state_slot, offset)])
+
+    @_on_device
+    def copy_state(self, src_slot: int, offset: int | None, dst_slot: int) -> None:
+        """Fork: copy an active state into another slot, or the state the last run captured `offset` tokens
+        into `src_slot`'s piece."""
+        if offset is None:
+            self.states.copy(src_slot, dst_slot)
+        else:
+            self.states.write(dst_slot, self.snapshots[(src_slot, offset)])
 
     # ------------------------------------------------------------------ compute
     @_on_device
