@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 
 # On a CUDA machine: the checks a GPU adds (engine on CUDA vs CPU, TP over NCCL, Triton kernels compiled).
 gpu-check: $(STAMP)
-	$(BIN)/python -m pytest tests/test_device.py tests/test_kernels.py -rs
+	PYTHON=$(BIN)/python bash loadtest/gpu_check.sh
 
 # Install if needed, then serve the shipped default model (configs/config.yaml) on 127.0.0.1:8000.
 serve: $(STAMP)
