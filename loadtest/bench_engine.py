@@ -4,8 +4,10 @@ In one run, on one checkpoint:
 1. TTFT for prompts of 256..2048 tokens: cold (no cache), hit at the prompt end, hit that replays from an
    earlier interval checkpoint (the prompt shares all but its last `--diverge` tokens with a cached one), and
    for each hit the time to prefill only its uncached suffix with the model alone (state and KV ready), which
-   is the floor a cache hit can reach. Each hit and its floor are timed --hit-samples times per repeat (a
-   replay on a freshly filled engine each time). Also transformers' `generate` (1 new token) as the baseline.
+   is the floor a cache hit can reach. Each hit and its floor are timed --hit-samples times per repeat, in
+   pairs (the floor right after its hit, so a slow spell of the machine hits both; a replay on a freshly
+   filled engine each time); a cell's ratio is the median of the paired ratios. Also transformers'
+   `generate` (1 new token) as the baseline.
 2. Decode tokens/s against batch size, ours vs transformers' `generate` on equal-length prompts.
 3. Serving throughput on a mixed batch: 16 requests with prompt lengths and output budgets drawn from a seeded
    generator, end to end (prefill included), ours (continuous batching) vs `generate` on the same 16 as one
@@ -85,34 +87,47 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
     rows = []
     for L in lengths:
         cold, end_hit, replay, floor_end, floor_replay, hf, cached_end, cached_replay = ([] for _ in range(8))
+        ratio_end, ratio_replay = [], []
         for r in range(repeats):
             base = source[(2 * r) * L : (2 * r + 1) * L]
             other = source[(2 * r + 1) * L : (2 * r + 2) * L]
             cold_engine = Engine(model, tok, EngineConfig(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
             cold.append(ttft(cold_engine, base)[0])
             hot = filled(model, tok, interval, base)
-            hits = [ttft(hot, base) for _ in range(hit_samples)]  # each the same work: nothing new is stored
-            c = hits[0][1]
-            end_hit.append(median([t for t, _ in hits])), cached_end.append(c)
-            floor_end.append(median([suffix_prefill(model, base, c) for _ in range(hit_samples)]))
+            # each the same work (a prompt-end hit stores nothing new), paired with its floor
+            pairs = [_paired(lambda: ttft(hot, base), lambda c: suffix_prefill(model, base, c))
+                     for _ in range(hit_samples)]
+            _collect(pairs, end_hit, floor_end, cached_end, ratio_end)
             # a replay stores its branch point, so a second one would hit there: a freshly filled engine each
             branch = base[: L - diverge] + other[:diverge]
-            replays = [ttft(filled(model, tok, interval, base), branch) for _ in range(hit_samples)]
-            c = replays[0][1]
-            replay.append(median([t for t, _ in replays])), cached_replay.append(c)
-            floor_replay.append(median([suffix_prefill(model, branch, c) for _ in range(hit_samples)]))
+            pairs = [_paired(lambda: ttft(filled(model, tok, interval, base), branch),
+                             lambda c: suffix_prefill(model, branch, c)) for _ in range(hit_samples)]
+            _collect(pairs, replay, floor_replay, cached_replay, ratio_replay)
             hf.append(hf_generate_time(ref, [base], 1))
         row = {"prompt_len": L, "cold_ms": median(cold) * 1e3, "hf_generate_ms": median(hf) * 1e3,
                "hit_end_ms": median(end_hit) * 1e3, "hit_end_cached": median(cached_end),
                "hit_end_floor_ms": median(floor_end) * 1e3,
                "hit_replay_ms": median(replay) * 1e3, "hit_replay_cached": median(cached_replay),
-               "hit_replay_floor_ms": median(floor_replay) * 1e3}
-        row["hit_end_over_floor"] = row["hit_end_ms"] / row["hit_end_floor_ms"]
-        row["hit_replay_over_floor"] = row["hit_replay_ms"] / row["hit_replay_floor_ms"]
+               "hit_replay_floor_ms": median(floor_replay) * 1e3,
+               "hit_end_over_floor": median(ratio_end), "hit_replay_over_floor": median(ratio_replay)}
         row["cold_over_hf"] = row["cold_ms"] / row["hf_generate_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _paired(hit, floor) -> tuple[float, float, int]:
+    """(hit seconds, floor seconds, cached tokens): the floor timed right after its hit."""
+    t, cached = hit()
+    return t, floor(cached), cached
+
+
+def _collect(pairs, hits: list, floors: list, cached: list, ratios: list) -> None:
+    """One repeat: the medians of its hits and floors, its cached length, and every paired ratio."""
+    hits.append(median([t for t, _, _ in pairs]))
+    floors.append(median([f for _, f, _ in pairs]))
+    cached.append(pairs[0][2])
+    ratios.extend(t / f for t, f, _ in pairs)
 
 
 def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64) -> list[dict]:
@@ -191,7 +206,8 @@ def main(argv=None) -> None:
     md = header(f"Engine: TTFT and decode ({args.model})", config)
     if ttft_rows:
         md += ("\nTTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
-               "*floor*: model-only prefill of the uncached suffix.\n\n" % (args.repeats, args.hit_samples))
+               "*floor*: model-only prefill of the uncached suffix, timed right after each hit; *ratio*: median of "
+               "those paired hit / floor ratios.\n\n" % (args.repeats, args.hit_samples))
         md += table(["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached",
                      "floor", "ratio"],
                     [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],

@@ -14,6 +14,7 @@ Eviction picks which checkpoint to drop when the pool is full:
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ class SecondHitFilter:
         self.capacity = capacity
 
     def seen_before(self, tokens: list[int]) -> bool:
-        key = hashlib.blake2b(repr(tokens).encode(), digest_size=16).digest()
+        key = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
         hit = key in self._seen
         self._seen[key] = None
         self._seen.move_to_end(key)
