@@ -166,8 +166,13 @@ class Worker:
         ids = torch.tensor(batch.token_ids, dtype=torch.long)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
-        logits, new_states = self.model(ids, layout, kv, self.states.gather(batch.state_slots))
-        self.states.scatter(batch.state_slots, new_states)
+        slots = batch.state_slots
+        if len(slots) == 1:  # the model never writes its input states: read the slot in place, one copy back
+            logits, new_states = self.model(ids, layout, kv, self.states.view(slots[0]))
+            self.states.write(slots[0], new_states)
+        else:
+            logits, new_states = self.model(ids, layout, kv, self.states.gather(slots))
+            self.states.scatter(slots, new_states)
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         return logits[batch.want_logits].float().cpu()
 
