@@ -56,6 +56,7 @@ class KVStorage:
 
     def __init__(self, widths: dict[int, int], num_slots: int, dtype: torch.dtype) -> None:
         self.storage = {layer: torch.zeros(num_slots, w, dtype=dtype) for layer, w in widths.items()}
+        self.device = next(iter(self.storage.values())).device if self.storage else torch.device("cpu")
         self.bytes_per_token = sum(w for w in widths.values()) * torch.tensor([], dtype=dtype).element_size()
 
 
@@ -66,7 +67,8 @@ class PagedKV:
     slot tables are built once per step and shared by every attention layer."""
 
     def __init__(self, pool: KVStorage, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-        self.pool, self.history, self.new = pool, history, new
+        self.pool = pool  # slot tables come from the host; index ops need them beside the storage
+        self.history, self.new = [h.to(pool.device) for h in history], [n.to(pool.device) for n in new]
         self._index: dict[tuple, torch.Tensor] = {}
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
