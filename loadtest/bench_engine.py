@@ -6,7 +6,8 @@ In one run, on one checkpoint:
    for each hit the time to prefill only its uncached suffix with the model alone (state and KV ready), which
    is the floor a cache hit can reach. Each hit and its floor are timed --hit-samples times per repeat, in
    pairs (the floor right after its hit, so a slow spell of the machine hits both; a replay on a freshly
-   filled engine each time); a cell's ratio is the median of the paired ratios. Also transformers'
+   filled engine each time); a cell's ratio is the median of the paired ratios. Every engine timed has
+   first served an unrelated prompt of the same length (warm, as in serving). Also transformers'
    `generate` (1 new token) as the baseline.
 2. Decode tokens/s against batch size, ours vs transformers' `generate` on equal-length prompts.
 3. Serving throughput on a mixed batch: 16 requests with prompt lengths and output budgets drawn from a seeded
@@ -74,10 +75,14 @@ def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
     return t
 
 
-def filled(model, tok, interval: int, prompt: list[int]) -> Engine:
-    """A cache-enabled engine that has served `prompt` once (its prompt-end and interval checkpoints)."""
+def filled(model, tok, interval: int, prompt: list[int], warm: list[int] = ()) -> Engine:
+    """A cache-enabled engine that has served `prompt` once (its prompt-end and interval checkpoints) and,
+    first, the unrelated prompt `warm`: a warm engine, as in serving (a fresh engine's first touches of its
+    pools and code paths would otherwise be charged to the hit being timed)."""
     engine = Engine(model, tok, EngineConfig(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
                                              checkpoint_slots=64))
+    if warm:
+        ttft(engine, list(warm))
     ttft(engine, prompt)
     return engine
 
@@ -88,19 +93,21 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
     for L in lengths:
         cold, end_hit, replay, floor_end, floor_replay, hf, cached_end, cached_replay = ([] for _ in range(8))
         ratio_end, ratio_replay = [], []
+        spare = source[-L:]  # shares no prefix with any base or branch below: warms engines up
         for r in range(repeats):
             base = source[(2 * r) * L : (2 * r + 1) * L]
             other = source[(2 * r + 1) * L : (2 * r + 2) * L]
             cold_engine = Engine(model, tok, EngineConfig(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
+            ttft(cold_engine, spare)
             cold.append(ttft(cold_engine, base)[0])
-            hot = filled(model, tok, interval, base)
+            hot = filled(model, tok, interval, base, spare)
             # each the same work (a prompt-end hit stores nothing new), paired with its floor
             pairs = [_paired(lambda: ttft(hot, base), lambda c: suffix_prefill(model, base, c))
                      for _ in range(hit_samples)]
             _collect(pairs, end_hit, floor_end, cached_end, ratio_end)
             # a replay stores its branch point, so a second one would hit there: a freshly filled engine each
             branch = base[: L - diverge] + other[:diverge]
-            pairs = [_paired(lambda: ttft(filled(model, tok, interval, base), branch),
+            pairs = [_paired(lambda: ttft(filled(model, tok, interval, base, spare), branch),
                              lambda c: suffix_prefill(model, branch, c)) for _ in range(hit_samples)]
             _collect(pairs, replay, floor_replay, cached_replay, ratio_replay)
             hf.append(hf_generate_time(ref, [base], 1))
