@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -31,9 +33,26 @@ from app.engine.engine import Engine
 from app.engine.request import SamplingParams
 from app.models.batch import BatchLayout, ContiguousKV
 from app.models.corpus import read_source, split_files, stdlib_files
-from app.models.loader import load_model, resolve_model_dir
+from app.models.loader import cast_model, load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.common import append_section, header, median, save, table, timed
+
+
+class Place(NamedTuple):
+    """Where the engines, the floor and the baseline run: `cpu` float32, or e.g. `cuda` bfloat16."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def config(self, **kw) -> EngineConfig:
+        return EngineConfig(device=self.device, dtype=self.dtype, **kw)
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+
+CPU = Place()
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -54,13 +73,16 @@ def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def suffix_prefill(model, prompt: list[int], cached: int) -> float:
+def suffix_prefill(model, prompt: list[int], cached: int, place: Place = CPU) -> float:
     """Model-only time to compute prompt[cached:] given the state and KV after prompt[:cached]."""
-    kv, states = ContiguousKV(), model.empty_states(1)
-    if cached:
-        _, states = model(torch.tensor(prompt[:cached]), BatchLayout((cached,), (0,)), kv, states)
-    n = len(prompt) - cached
-    t, _ = timed(lambda: model(torch.tensor(prompt[cached:]), BatchLayout((n,), (cached,)), kv, states)[0].argmax())
+    with torch.device(place.device):
+        kv, states = ContiguousKV(), model.empty_states(1)
+        if cached:
+            _, states = model(torch.tensor(prompt[:cached]), BatchLayout((cached,), (0,)), kv, states)
+        n = len(prompt) - cached
+        place.sync()
+        t, _ = timed(lambda: model(torch.tensor(prompt[cached:]), BatchLayout((n,), (cached,)), kv,
+                                   states)[0].argmax().item())
     return t
 
 
@@ -68,18 +90,23 @@ def suffix_prefill(model, prompt: list[int], cached: int) -> float:
 def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
     """`generate` on one batch, left-padded (pad id 0, masked) where lengths differ, for `new_tokens` steps."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    t, _ = timed(ref.generate, ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                 do_sample=False, pad_token_id=0)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=ref.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ref.device)
+    t, _ = timed(lambda: (ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), _sync(ref)))
     return t
 
 
-def filled(model, tok, interval: int, prompt: list[int], warm: list[int] = ()) -> Engine:
+def _sync(module) -> None:
+    if next(module.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
+def filled(model, tok, interval: int, prompt: list[int], warm: list[int] = (), place: Place = CPU) -> Engine:
     """A cache-enabled engine that has served `prompt` once (its prompt-end and interval checkpoints) and,
     first, the unrelated prompt `warm`: a warm engine, as in serving (a fresh engine's first touches of its
     pools and code paths would otherwise be charged to the hit being timed)."""
-    engine = Engine(model, tok, EngineConfig(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
+    engine = Engine(model, tok, place.config(interval=interval, chunk_size=2048, max_tokens_per_step=4096,
                                              checkpoint_slots=64))
     if warm:
         ttft(engine, list(warm))
@@ -87,7 +114,7 @@ def filled(model, tok, interval: int, prompt: list[int], warm: list[int] = ()) -
     return engine
 
 
-def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples) -> list[dict]:
+def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples, place: Place = CPU) -> list[dict]:
     source = corpus_ids(tok, max(lengths) * (repeats + 2) * 2)
     rows = []
     for L in lengths:
@@ -97,18 +124,18 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
         for r in range(repeats):
             base = source[(2 * r) * L : (2 * r + 1) * L]
             other = source[(2 * r + 1) * L : (2 * r + 2) * L]
-            cold_engine = Engine(model, tok, EngineConfig(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
+            cold_engine = Engine(model, tok, place.config(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
             ttft(cold_engine, spare)
             cold.append(ttft(cold_engine, base)[0])
-            hot = filled(model, tok, interval, base, spare)
+            hot = filled(model, tok, interval, base, spare, place)
             # each the same work (a prompt-end hit stores nothing new), paired with its floor
-            pairs = [_paired(lambda: ttft(hot, base), lambda c: suffix_prefill(model, base, c))
+            pairs = [_paired(lambda: ttft(hot, base), lambda c: suffix_prefill(model, base, c, place))
                      for _ in range(hit_samples)]
             _collect(pairs, end_hit, floor_end, cached_end, ratio_end)
             # a replay stores its branch point, so a second one would hit there: a freshly filled engine each
             branch = base[: L - diverge] + other[:diverge]
-            pairs = [_paired(lambda: ttft(filled(model, tok, interval, base, spare), branch),
-                             lambda c: suffix_prefill(model, branch, c)) for _ in range(hit_samples)]
+            pairs = [_paired(lambda: ttft(filled(model, tok, interval, base, spare, place), branch),
+                             lambda c: suffix_prefill(model, branch, c, place)) for _ in range(hit_samples)]
             _collect(pairs, replay, floor_replay, cached_replay, ratio_replay)
             hf.append(hf_generate_time(ref, [base], 1))
         row = {"prompt_len": L, "cold_ms": median(cold) * 1e3, "hf_generate_ms": median(hf) * 1e3,
@@ -137,14 +164,14 @@ def _collect(pairs, hits: list, floors: list, cached: list, ratios: list) -> Non
     ratios.extend(t / f for t, f, _ in pairs)
 
 
-def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64) -> list[dict]:
+def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64, place: Place = CPU) -> list[dict]:
     source = corpus_ids(tok, prompt_len * max(batches))
     rows = []
     for b in batches:
         prompts = [source[i * prompt_len : (i + 1) * prompt_len] for i in range(b)]
         ours, theirs = [], []
         for _ in range(repeats):
-            engine = Engine(model, tok, EngineConfig(enable_cache=False, max_running=max(batches)))
+            engine = Engine(model, tok, place.config(enable_cache=False, max_running=max(batches)))
             params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
             first = timed(engine.generate, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
             full = timed(engine.generate, prompts, params)[0]
@@ -159,7 +186,8 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
     return rows
 
 
-def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_tokens=(16, 128), seed=0) -> dict:
+def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_tokens=(16, 128), seed=0,
+                place: Place = CPU) -> dict:
     rng = random.Random(seed)
     source = corpus_ids(tok, prompt_lens[1] * batch)
     lens = [rng.randint(*prompt_lens) for _ in range(batch)]
@@ -168,7 +196,7 @@ def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_t
     useful = sum(budgets)
     ours, theirs = [], []
     for _ in range(repeats):
-        engine = Engine(model, tok, EngineConfig(enable_cache=False, max_running=batch))
+        engine = Engine(model, tok, place.config(enable_cache=False, max_running=batch))
         for p, b in zip(prompts, budgets):
             engine.add_request(p, SamplingParams(max_tokens=b, temperature=0.0, ignore_eos=True))
         t, _ = timed(_drain, engine)
@@ -197,20 +225,27 @@ def main(argv=None) -> None:
     p.add_argument("--hit-samples", type=int, default=5,
                    help="hits (and their floors) timed this many times per repeat, median taken")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda: engines, floor and baseline all run there")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"], choices=["ttft", "decode", "mixed"])
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
-    model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    place = Place(args.device, args.dtype)
+    dtype = getattr(torch, args.dtype)
+    model, tok = cast_model(load_model(model_dir).to(args.device), dtype).eval(), Tokenizer.from_dir(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     config = {k: v for k, v in vars(args).items() if k != "out"}
     ttft_rows = bench_ttft(model, tok, ref, args.lengths, args.repeats, args.interval, args.diverge,
-                           args.hit_samples) \
+                           args.hit_samples, place) \
         if "ttft" in args.sections else []
-    decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats) if "decode" in args.sections else []
-    mixed = bench_mixed(model, tok, ref, args.repeats) if "mixed" in args.sections else None
-    md = header(f"Engine: TTFT and decode ({args.model})", config)
+    decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats, place=place) \
+        if "decode" in args.sections else []
+    mixed = bench_mixed(model, tok, ref, args.repeats, place=place) if "mixed" in args.sections else None
+    name = Path(args.model).name
+    on = f" on {torch.cuda.get_device_name()}, {args.dtype}" if args.device.startswith("cuda") else ""
+    md = header(f"Engine: TTFT and decode ({name}{on})", config)
     if ttft_rows:
         md += ("\nTTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
                "*floor*: model-only prefill of the uncached suffix, timed right after each hit; *ratio*: median of "
@@ -236,7 +271,7 @@ def main(argv=None) -> None:
         md += table(["requests", "ours tok/s", "HF generate tok/s", "ratio"],
                     [[mixed["batch"], mixed["ours_tok_s"], mixed["hf_tok_s"], mixed["speedup"]]]) + "\n"
     print(md)
-    save(f"bench_engine_{args.model}" + ("" if len(args.sections) == 3 else "_" + "_".join(args.sections)),
+    save(f"bench_engine_{name}" + ("_cuda" if on else "") + ("" if len(args.sections) == 3 else "_" + "_".join(args.sections)),
          {"config": config, "ttft": ttft_rows, "decode": decode_rows, "mixed": mixed})
     append_section(args.out, md)
 

@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo, 2 ranks as processes): TP=2 equals TP=1 for both families under every
-placement, cache hits through dasc checkpoints agree, per-rank checkpoint bytes equal the placement plan."""
+placement, cache hits through dasc checkpoints and n > 1 samples agree, per-rank checkpoint bytes equal the
+placement plan."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def test_tp2_equals_tp1(model, placement, w_max):
         assert sum(o.cached_tokens for o in outs2) > 0  # hits went through the (compressed) checkpoints
         assert logits1.keys() == logits2.keys()
         assert max((logits1[k] - logits2[k]).abs().max().item() for k in logits1) < 1e-5
+        fork = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)  # copy_state on every rank
+        forked = prompts[1] + one.tokenizer.encode("forked = True\n")
+        samples = [s.output_ids for s in two.generate([forked], fork)[0]]
+        assert samples == [s.output_ids for s in one.generate([forked], fork)[0]] and samples[0] == samples[1]
         if w_max is not None:  # rank 0's bytes per slot equal the placement plan's bottleneck figure
             full = load_model(model)
             plan = make_plan(model_geometry(full), model_horizons(full), w_max)
