@@ -127,6 +127,7 @@ class Engine:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
         logits = self.run_works(works)
+        greedy = _greedy_tokens(works, logits)
         self.telemetry.steps += 1
         outputs = []
         for w in works:
@@ -135,7 +136,8 @@ class Engine:
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
             self._checkpoint_after(seq, w.start)
             if id(seq) in logits:
-                outputs.append(self._append_token(seq, _sample(seq, logits[id(seq)])))
+                token = greedy[id(seq)] if id(seq) in greedy else _sample(seq, logits[id(seq)])
+                outputs.append(self._append_token(seq, token))
         return outputs
 
     def _checkpoint_after(self, seq: Sequence, start: int) -> None:
@@ -269,6 +271,14 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.private_slots())
+
+
+def _greedy_tokens(works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, int]:
+    """The step's greedy picks in one argmax (first maximum on ties, as `sample_token`), keyed by id(seq)."""
+    keys = [id(w.seq) for w in works if id(w.seq) in logits and w.seq.params.temperature <= 0]
+    if not keys:
+        return {}
+    return dict(zip(keys, torch.stack([logits[k] for k in keys]).argmax(-1).tolist()))
 
 
 def _sample(seq: Sequence, logits: torch.Tensor) -> int:

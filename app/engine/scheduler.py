@@ -80,11 +80,12 @@ class Scheduler:
 
     def _alloc(self, n: int, for_seq: Sequence, scheduled: list[Work]) -> torch.Tensor | None:
         """n KV slots; preempts the latest-admitted other running sequence not yet scheduled this step."""
-        busy = {id(w.seq) for w in scheduled} | {id(for_seq)}
+        busy = None  # built only when the pool runs short: per sequence it would make a step quadratic
         while True:
             slots = self.cache.alloc_kv(n)
             if slots is not None:
                 return slots
+            busy = busy or {id(w.seq) for w in scheduled} | {id(for_seq)}
             victims = [s for s in self.running if id(s) not in busy]
             if not victims:
                 return None
