@@ -124,7 +124,8 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
         for r in range(repeats):
             base = source[(2 * r) * L : (2 * r + 1) * L]
             other = source[(2 * r + 1) * L : (2 * r + 2) * L]
-            cold_engine = Engine(model, tok, place.config(enable_cache=False, chunk_size=2048, max_tokens_per_step=4096))
+            cold_engine = Engine(model, tok, place.config(enable_cache=False, chunk_size=2048,
+                                                          max_tokens_per_step=4096))
             ttft(cold_engine, spare)
             cold.append(ttft(cold_engine, base)[0])
             hot = filled(model, tok, interval, base, spare, place)
@@ -271,7 +272,8 @@ def main(argv=None) -> None:
         md += table(["requests", "ours tok/s", "HF generate tok/s", "ratio"],
                     [[mixed["batch"], mixed["ours_tok_s"], mixed["hf_tok_s"], mixed["speedup"]]]) + "\n"
     print(md)
-    save(f"bench_engine_{name}" + ("_cuda" if on else "") + ("" if len(args.sections) == 3 else "_" + "_".join(args.sections)),
+    sections = "" if len(args.sections) == 3 else "_" + "_".join(args.sections)
+    save(f"bench_engine_{name}" + ("_cuda" if on else "") + sections,
          {"config": config, "ttft": ttft_rows, "decode": decode_rows, "mixed": mixed})
     append_section(args.out, md)
 
