@@ -50,6 +50,13 @@ class Scheduler:
         works: list[Work] = []
         decoding = [s for s in self.running if s.num_computed >= s.num_tokens - 1]
         prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
+        if decoding and len(decoding) <= budget:  # one token each: one allocation for all of them
+            slots = self.cache.alloc_kv(len(decoding))
+            if slots is not None:
+                works = [Work(seq, seq.num_computed, seq.num_computed + 1, one)
+                         for seq, one in zip(decoding, slots.split(1))]
+                budget -= len(decoding)
+                decoding = []
         for seq in decoding + prefilling:
             if budget <= 0:
                 break
