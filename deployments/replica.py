@@ -1,6 +1,7 @@
 """`EngineReplica`: one engine (with its compressed state cache) per Serve replica.
 
-- `generate(GenerateRequest)` streams `RequestOutput` dicts (call it with a streaming handle).
+- `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
+  chunk, the full text and token ids on the last.
 - `record_routing_stats()` publishes the queue length and the digest of prefixes it holds checkpoints for.
 - A background loop pushes a telemetry window to the tuning controller every `window_s` and applies the
   assignment it reads back (between engine steps; a codec change drops the old checkpoints).
@@ -9,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import statistics
 import time
@@ -50,7 +50,7 @@ class EngineReplica:
             if first:
                 self._ttfts.append(time.perf_counter() - start)
                 first = False
-            yield {**dataclasses.asdict(out), "replica": self.replica_id}
+            yield {**out.wire(), "replica": self.replica_id}
         self._requests += 1
 
     async def record_routing_stats(self) -> dict:

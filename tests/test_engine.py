@@ -218,3 +218,14 @@ def test_abort_releases_a_held_fork_state(zoo):
     assert leader.fork.state_slot is None
     eng.check_integrity()
     assert all(n.lock == (n is eng.cache.tree.root) for n in eng.cache.tree.nodes())  # the root's own lock
+
+
+def test_wire_chunks_carry_deltas_and_the_last_the_whole_output(zoo):
+    model, tok = zoo
+    prompt = _prompts(tok, 1)[0]
+    _, outs = _stream(Engine(model, tok), prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    chunks = [o.wire() for o in outs]
+    assert all(c["text"] == "" and c["output_ids"] == [] and len(c["new_token_ids"]) == 1 for c in chunks[:-1])
+    assert chunks[-1]["output_ids"] == outs[-1].output_ids and chunks[-1]["text"] == outs[-1].text
+    assert [t for c in chunks for t in c["new_token_ids"]] == outs[-1].output_ids
+    assert "".join(c["new_text"] for c in chunks) == outs[-1].text

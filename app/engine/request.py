@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from typing import TYPE_CHECKING
 
@@ -148,3 +148,12 @@ class RequestOutput:
     output_ids: list[int]
     ttft_s: float | None
     replica: str | None = None  # set by a Serve replica: which one served it
+
+    def wire(self) -> dict:
+        """The fields to send over a process boundary (a Serve stream). A chunk before the last carries its
+        deltas only, with `text` and `output_ids` empty: those grow with the output, and sending them with every
+        token would make a stream of n tokens carry O(n^2) data. The last chunk carries them in full."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.finished:
+            out["text"], out["output_ids"] = "", []
+        return out
