@@ -93,19 +93,14 @@ def suffix_prefill(model, prompt: list[int], cached: int, place: Place = CPU) ->
 
 
 @torch.no_grad()
-def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int) -> float:
+def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int, place: Place = CPU) -> float:
     """`generate` on one batch, left-padded (pad id 0, masked) where lengths differ, for `new_tokens` steps."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=ref.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ref.device)
     t, _ = timed(lambda: (ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), _sync(ref)))
+                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), place.sync()))
     return t
-
-
-def _sync(module) -> None:
-    if next(module.parameters()).is_cuda:
-        torch.cuda.synchronize()
 
 
 def filled(model, tok, interval: int, prompt: list[int], warm: list[int] = (), place: Place = CPU) -> Engine:
@@ -144,7 +139,7 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
             pairs = [_paired(lambda: ttft(filled(model, tok, interval, base, spare, place), branch),
                              lambda c: suffix_prefill(model, branch, c, place)) for _ in range(hit_samples)]
             _collect(pairs, replay, floor_replay, cached_replay, ratio_replay)
-            hf.append(hf_generate_time(ref, [base], 1))
+            hf.append(hf_generate_time(ref, [base], 1, place))
         row = {"prompt_len": L, "cold_ms": median(cold) * 1e3, "hf_generate_ms": median(hf) * 1e3,
                "hit_end_ms": median(end_hit) * 1e3, "hit_end_cached": median(cached_end),
                "hit_end_floor_ms": median(floor_end) * 1e3,
@@ -183,8 +178,8 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
             first = timed(engine.generate, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
             full = timed(engine.generate, prompts, params)[0]
             ours.append(b * (new_tokens - 1) / (full - first))
-            hf_first = hf_generate_time(ref, prompts, 1)
-            hf_full = hf_generate_time(ref, prompts, new_tokens)
+            hf_first = hf_generate_time(ref, prompts, 1, place)
+            hf_full = hf_generate_time(ref, prompts, new_tokens, place)
             theirs.append(b * (new_tokens - 1) / (hf_full - hf_first))
         row = {"batch": b, "ours_tok_s": median(ours), "hf_tok_s": median(theirs)}
         row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
@@ -208,7 +203,7 @@ def bench_mixed(model, tok, ref, repeats, batch=16, prompt_lens=(32, 512), new_t
             engine.add_request(p, SamplingParams(max_tokens=b, temperature=0.0, ignore_eos=True))
         t, _ = timed(_drain, engine)
         ours.append(useful / t)
-        theirs.append(useful / hf_generate_time(ref, prompts, max(budgets)))
+        theirs.append(useful / hf_generate_time(ref, prompts, max(budgets), place))
     row = {"batch": batch, "prompt_lens": lens, "budgets": budgets, "ours_tok_s": median(ours),
            "hf_tok_s": median(theirs)}
     row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]

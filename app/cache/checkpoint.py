@@ -61,7 +61,7 @@ class FlatLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.tensor([], dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def zeros(self, num_slots: int) -> torch.Tensor:
         return torch.zeros(num_slots, self.numel, dtype=self.dtype)

@@ -63,8 +63,8 @@ class KVStorage:
 class PagedKV:
     """`AttentionKV` for one step: batch sequence i reads slots `history[i]` and writes `new[i]`.
 
-    Reads use index_select (about 5x faster on the CPU than advanced indexing with the same 1-D index); the
-    slot tables are built once per step and shared by every attention layer."""
+    Reads use index_select (faster on the CPU than advanced indexing with the same 1-D index); the slot
+    tables are built once per step and shared by every attention layer."""
 
     def __init__(self, pool: KVStorage, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
         self.pool = pool  # slot tables come from the host; index ops need them beside the storage
