@@ -20,7 +20,6 @@ Every figure is the median of --repeats runs; ratios are against baselines measu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 from pathlib import Path
@@ -47,9 +46,6 @@ class Place(NamedTuple):
 
     def config(self, **kw) -> EngineConfig:
         return EngineConfig(device=self.device, dtype=self.dtype, **kw)
-
-    def default_device(self):
-        return contextlib.nullcontext() if self.device == "cpu" else torch.device(self.device)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -78,17 +74,15 @@ def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
 
 @torch.no_grad()
 def suffix_prefill(model, prompt: list[int], cached: int, place: Place = CPU) -> float:
-    """Model-only time to compute prompt[cached:] given the state and KV after prompt[:cached]. Off the CPU it
-    runs with the device as the default for new tensors, as the engine's worker does (on the CPU that mode
-    would only add a Python call to every op, and the worker skips it there too)."""
-    with place.default_device():
-        kv, states = ContiguousKV(), model.empty_states(1)
-        if cached:
-            _, states = model(torch.tensor(prompt[:cached]), BatchLayout((cached,), (0,)), kv, states)
-        n = len(prompt) - cached
-        place.sync()
-        t, _ = timed(lambda: model(torch.tensor(prompt[cached:]), BatchLayout((n,), (cached,)), kv,
-                                   states)[0].argmax().item())
+    """Model-only time to compute prompt[cached:] given the state and KV after prompt[:cached] (the model
+    places its tensors on its inputs' device, as in the engine's worker)."""
+    kv, states = ContiguousKV(), model.empty_states(1)
+    if cached:
+        _, states = model(torch.tensor(prompt[:cached], device=place.device), BatchLayout((cached,), (0,)), kv, states)
+    n = len(prompt) - cached
+    place.sync()
+    t, _ = timed(lambda: model(torch.tensor(prompt[cached:], device=place.device), BatchLayout((n,), (cached,)), kv,
+                               states)[0].argmax().item())
     return t
 
 

@@ -1,9 +1,11 @@
-"""Engine device and dtype: config validation, clear errors without a GPU, bfloat16 on the CPU, the replica's
-resource reservation and the shipped configs. The GPU checks themselves are in tests/test_cuda.py.
+"""Engine device and dtype: config validation, clear errors without a GPU, bfloat16 on the CPU, explicit
+devices in every worker verb, the replica's resource reservation and the shipped configs. The GPU checks
+themselves are in tests/test_cuda.py.
 """
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ import yaml
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
+from app.engine.worker import Worker
 from app.models.loader import load_model
 from deployments.builder import ServeArgs, _replica_resources
 from tests.helpers import load_zoo
@@ -58,6 +61,40 @@ def test_bfloat16_engine_hits_equal_cold_and_track_fp32(name):
     assert all(o.cached_tokens > 0 for o in hot)
     assert [o.output_ids for o in hot] == [o.output_ids for o in cold]
     assert [o.output_ids[0] for o in cold] == first_fp32
+
+
+def _under_meta_default(verb):
+    @functools.wraps(verb)
+    def run(*args, **kwargs):
+        with torch.device("meta"):
+            return verb(*args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("name, cfg", [
+    ("kda-tiny", dict(interval=32, chunk_size=48)),
+    ("gdn-tiny", dict(interval=32, chunk_size=48, w_max=16, quant="int8", policy="wr")),
+    ("kda-tiny", dict(w_max=16, policy="wr", layout="padded")),
+])
+def test_worker_verbs_create_no_tensor_on_the_default_device(name, cfg, monkeypatch):
+    """The worker places every tensor it makes explicitly (on a GPU a default-device mode would cost a Python
+    call per op). Here each verb runs with the default device set to `meta`: a tensor made without a device
+    would land there and the step would fail or its output would differ from the plain run."""
+    model, tok = load_zoo(name)
+    prompts = _prompts(tok)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
+    want = [[o.output_ids for o in outs] for outs in Engine(model, tok, EngineConfig(**cfg)).generate(prompts, params)]
+    for verb in ["_allocate", "configure_checkpoints", "set_policy", "store", "load", "zero", "store_snapshot",
+                 "copy_state", "run", "refresh"]:
+        monkeypatch.setattr(Worker, verb, _under_meta_default(getattr(Worker, verb)))
+    engine = Engine(model, tok, EngineConfig(**cfg))
+    first = [[o.output_ids for o in outs] for outs in engine.generate(prompts, params)]
+    again = engine.generate(prompts, params)
+    assert first == want and [[o.output_ids for o in outs] for outs in again] == want
+    assert all(outs[0].cached_tokens > 0 for outs in again)
+    snap = engine.snapshot()
+    assert snap["checkpoint_loads"] > 0 and snap["checkpoint_stores"] > 0
+    assert cfg.get("policy") != "wr" or snap["wr_replay_tokens"] > 0
 
 
 def test_replica_reserves_gpus_or_cpu_bundles():

@@ -43,17 +43,19 @@ class CheckpointCodec(ABC):
 class FlatLayout:
     """Batch-1 tensors of one dtype laid end to end, so a slot holds them as one flat row and a store or a load
     is one copy whatever the number of layers (on a GPU, kernel launches rather than bytes bound a checkpoint
-    copy). shapes[j]: tensor j without its batch dimension."""
+    copy). shapes[j]: tensor j without its batch dimension; slots live on `device`, where the tensors are."""
 
     shapes: tuple[torch.Size, ...]
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor]) -> "FlatLayout":
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) > 1:
             raise ValueError(f"one flat layout holds one dtype, got {sorted(map(str, dtypes))}")
-        return cls(tuple(t.shape[1:] for t in tensors), dtypes.pop() if dtypes else torch.float32)
+        return cls(tuple(t.shape[1:] for t in tensors), dtypes.pop() if dtypes else torch.float32,
+                   tensors[0].device if tensors else torch.device("cpu"))
 
     @property
     def numel(self) -> int:
@@ -64,7 +66,7 @@ class FlatLayout:
         return self.numel * self.dtype.itemsize
 
     def zeros(self, num_slots: int) -> torch.Tensor:
-        return torch.zeros(num_slots, self.numel, dtype=self.dtype)
+        return torch.zeros(num_slots, self.numel, dtype=self.dtype, device=self.device)
 
     def write(self, row: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """row [numel] <- the batch-1 tensors, end to end."""

@@ -52,61 +52,70 @@ class KVSlots(SlotAllocator):
 
 
 class KVStorage:
-    """Per attention layer a tensor [num_slots, W_layer] of per-token KV entries."""
+    """Per attention layer a tensor [num_slots, W_layer] of per-token KV entries, on `device`."""
 
-    def __init__(self, widths: dict[int, int], num_slots: int, dtype: torch.dtype) -> None:
-        self.storage = {layer: torch.zeros(num_slots, w, dtype=dtype) for layer, w in widths.items()}
-        self.device = next(iter(self.storage.values())).device if self.storage else torch.device("cpu")
-        self.bytes_per_token = sum(w for w in widths.values()) * torch.tensor([], dtype=dtype).element_size()
+    def __init__(self, widths: dict[int, int], num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.storage = {layer: torch.zeros(num_slots, w, dtype=dtype, device=self.device)
+                        for layer, w in widths.items()}
+        self.bytes_per_token = sum(w for w in widths.values()) * dtype.itemsize
 
 
 class PagedKV:
     """`AttentionKV` for one step: batch sequence i reads slots `history[i]` and writes `new[i]`.
 
-    Reads use index_select (faster on the CPU than advanced indexing with the same 1-D index); the slot
-    tables are built once per step and shared by every attention layer."""
+    The slot tables arrive from the host. Each index a step needs (one sequence's slots, or the decode
+    batch's padded table with its new slots) is built there and moved to the storage's device in one copy,
+    once per step however many attention layers read it. Reads use index_select (faster on the CPU than
+    advanced indexing with the same 1-D index)."""
 
     def __init__(self, pool: KVStorage, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-        self.pool = pool  # slot tables come from the host; index ops need them beside the storage
-        self.history, self.new = [h.to(pool.device) for h in history], [n.to(pool.device) for n in new]
-        self._index: dict[tuple, torch.Tensor] = {}
+        self.pool, self.history, self.new = pool, history, new
+        self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (read index, write index)
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
-        store = self.pool.storage[layer]
-        store.index_copy_(0, self.new[seq], entries.to(store.dtype))
         key = (seq,)
         if key not in self._index:
-            self._index[key] = torch.cat([self.history[seq], self.new[seq]])
-        return store.index_select(0, self._index[key])
+            full = torch.cat([self.history[seq], self.new[seq]]).to(self.pool.device)
+            self._index[key] = (full, full[self.history[seq].numel() :])
+        full, write = self._index[key]
+        store = self.pool.storage[layer]
+        store.index_copy_(0, write, entries.to(store.dtype))
+        return store.index_select(0, full)
 
     def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
-        store = self.pool.storage[layer]
-        store.index_copy_(0, torch.cat([self.new[s] for s in seqs]), entries.to(store.dtype))
         key = ("padded", *seqs)
         if key not in self._index:
-            self._index[key] = torch.nn.utils.rnn.pad_sequence(
+            padded = torch.nn.utils.rnn.pad_sequence(
                 [torch.cat([self.history[s], self.new[s]]) for s in seqs], batch_first=True)
-        index = self._index[key]
+            both = torch.cat([padded.view(-1)] + [self.new[s] for s in seqs]).to(self.pool.device)
+            self._index[key] = (both[: padded.numel()].view(padded.shape), both[padded.numel() :])
+        index, write = self._index[key]
+        store = self.pool.storage[layer]
+        store.index_copy_(0, write, entries.to(store.dtype))
         return store.index_select(0, index.view(-1)).view(*index.shape, store.shape[-1])
 
 
 class StateStorage:
-    """Recurrent state of running sequences: per linear layer conv [S, C, W-1] and ssm [S, H, K, V] fp32."""
+    """Recurrent state of running sequences: per linear layer conv [S, C, W-1] and ssm [S, H, K, V] fp32, on
+    the template's device."""
 
     def __init__(self, template: LinearStates, num_slots: int) -> None:
-        self.conv = [torch.zeros(num_slots, *c.shape[1:], dtype=c.dtype) for c in template.conv]
-        self.ssm = [torch.zeros(num_slots, *s.shape[1:], dtype=s.dtype) for s in template.ssm]
+        self.conv = [c.new_zeros(num_slots, *c.shape[1:]) for c in template.conv]
+        self.ssm = [s.new_zeros(num_slots, *s.shape[1:]) for s in template.ssm]
+        self.device = (self.conv + self.ssm)[0].device if template.ssm else torch.device("cpu")
 
     def template(self) -> LinearStates:
         """Zero state of one sequence, shaped like the stored ones."""
         return LinearStates([torch.zeros_like(c[:1]) for c in self.conv], [torch.zeros_like(s[:1]) for s in self.ssm])
 
     def gather(self, slots: list[int]) -> LinearStates:
-        idx = torch.tensor(slots, dtype=torch.long)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
 
     def scatter(self, slots: list[int], states: LinearStates) -> None:
-        idx = torch.tensor(slots, dtype=torch.long)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
             dst.index_copy_(0, idx, src.to(dst.dtype))
 

@@ -33,10 +33,12 @@ class DascCodec(CheckpointCodec):
         self.plan, self.layout, self.quant = plan, layout, quant
         self.conv_layout = FlatLayout.of(template.conv)
         self._ssm_shape = [s.shape[1:] for s in template.ssm]  # [H, K, V]
+        self.device = template.ssm[0].device
         self.d_v = self._ssm_shape[0][-1]
         if any(shape[-1] != self.d_v for shape in self._ssm_shape):
             raise ValueError("every recurrent layer must share d_v")
-        self.rows = [retained_rows(lp) for lp in plan.layers]  # per layer, in its [H * K, d_v] view
+        # per layer, in its [H * K, d_v] view; index tensors live beside the storage
+        self.rows = [retained_rows(lp, self.device) for lp in plan.layers]
         self._max_rows = max(len(r) for r in self.rows)
         self._offsets, self._state_offsets = [0], [0]  # packed rows and state rows before layer l
         for r, shape in zip(self.rows, self._ssm_shape):
@@ -44,7 +46,8 @@ class DascCodec(CheckpointCodec):
             self._state_offsets.append(self._state_offsets[-1] + shape[:-1].numel())
         # the retained rows of the concatenated state, in packed order; for padded, where each sits in L * max_m
         self._all_rows = torch.cat([r + base for r, base in zip(self.rows, self._state_offsets)])
-        self._padded_at = torch.cat([torch.arange(len(r)) + j * self._max_rows for j, r in enumerate(self.rows)])
+        self._padded_at = torch.cat([torch.arange(len(r), device=self.device) + j * self._max_rows
+                                     for j, r in enumerate(self.rows)])
         self.accounting = slot_bytes(plan, layout, quant, self.conv_layout.nbytes)
         self.values = self.scales = self.conv = None
 
@@ -61,8 +64,9 @@ class DascCodec(CheckpointCodec):
     def allocate(self, num_slots: int) -> None:
         dtype = torch.int8 if self.quant == "int8" else torch.float32
         rows_shape = (self._offsets[-1],) if self.layout == "ragged" else (len(self.rows), self._max_rows)
-        self.values = torch.zeros(num_slots, *rows_shape, self.d_v, dtype=dtype)
-        self.scales = torch.zeros(num_slots, *rows_shape, dtype=torch.float32) if self.quant == "int8" else None
+        self.values = torch.zeros(num_slots, *rows_shape, self.d_v, dtype=dtype, device=self.device)
+        self.scales = torch.zeros(num_slots, *rows_shape, dtype=torch.float32, device=self.device) \
+            if self.quant == "int8" else None
         self.conv = self.conv_layout.zeros(num_slots)
 
     def _block(self, t: torch.Tensor, slot: int, layer: int) -> torch.Tensor:
@@ -81,14 +85,14 @@ class DascCodec(CheckpointCodec):
     def _store_layers(self, slot: int, state: LinearStates) -> None:
         for j, rows in enumerate(self.rows):
             src = state.ssm[j][0].reshape(-1, self.d_v)
-            values, scales = pack.pack_rows(src, rows.to(src.device), self.quant == "int8")
+            values, scales = pack.pack_rows(src, rows, self.quant == "int8")
             self._block(self.values, slot, j).copy_(values)
             if scales is not None:
                 self._block(self.scales, slot, j).copy_(scales)
 
     def _store_fused(self, slot: int, state: LinearStates) -> None:
         src = torch.cat([s[0].reshape(-1, self.d_v) for s in state.ssm])
-        values, scales = pack.pack_rows(src, self._all_rows.to(src.device), self.quant == "int8")
+        values, scales = pack.pack_rows(src, self._all_rows, self.quant == "int8")
         self._put(self.values[slot], values)
         if scales is not None:
             self._put(self.scales[slot], scales)
@@ -98,13 +102,13 @@ class DascCodec(CheckpointCodec):
         if self.layout == "ragged":
             dst.copy_(packed)
         else:
-            dst.flatten(0, 1).index_copy_(0, self._padded_at.to(dst.device), packed)
+            dst.flatten(0, 1).index_copy_(0, self._padded_at, packed)
 
     def _take(self, src: torch.Tensor) -> torch.Tensor:
         """One slot's storage as packed rows (ragged order)."""
         if self.layout == "ragged":
             return src
-        return src.flatten(0, 1).index_select(0, self._padded_at.to(src.device))
+        return src.flatten(0, 1).index_select(0, self._padded_at)
 
     def load(self, slot: int) -> LinearStates:
         ssm = self._load_fused(slot) if self.values.is_cuda else self._load_layers(slot)
@@ -115,20 +119,19 @@ class DascCodec(CheckpointCodec):
         for j, rows in enumerate(self.rows):
             h, k, v = self._ssm_shape[j]
             scales = None if self.scales is None else self._block(self.scales, slot, j)
-            full = pack.unpack_rows(self._block(self.values, slot, j), scales, rows.to(self.values.device), h * k)
+            full = pack.unpack_rows(self._block(self.values, slot, j), scales, rows, h * k)
             ssm.append(full.view(1, h, k, v))
         return ssm
 
     def _load_fused(self, slot: int) -> list[torch.Tensor]:
         values = self._take(self.values[slot])
         scales = None if self.scales is None else self._take(self.scales[slot])
-        full = pack.unpack_rows(values, scales, self._all_rows.to(values.device), self._state_offsets[-1])
+        full = pack.unpack_rows(values, scales, self._all_rows, self._state_offsets[-1])
         return [full[b:e].view(1, *shape)
                 for b, e, shape in zip(self._state_offsets, self._state_offsets[1:], self._ssm_shape)]
 
 
-def retained_rows(lp) -> torch.Tensor:
+def retained_rows(lp, device: torch.device | str = "cpu") -> torch.Tensor:
     """Row ids (of the [H * d_k, d_v] view) holding the layer's retained units."""
-    if lp.kind == "kda":
-        return torch.tensor(lp.keep, dtype=torch.long)
-    return torch.tensor([h * lp.d_k + k for h in lp.keep for k in range(lp.d_k)], dtype=torch.long)
+    rows = lp.keep if lp.kind == "kda" else [h * lp.d_k + k for h in lp.keep for k in range(lp.d_k)]
+    return torch.tensor(rows, dtype=torch.long, device=device)

@@ -44,12 +44,12 @@ def wr_window(plan: SelectionPlan) -> int:
     return window
 
 
-def local_rows(plan: SelectionPlan) -> list[torch.Tensor]:
-    """Per layer, the rows of the [H * d_k, d_v] state view that the plan omits."""
+def local_rows(plan: SelectionPlan, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Per layer, the rows of the [H * d_k, d_v] state view that the plan omits (index tensors on `device`)."""
     out = []
     for lp in plan.layers:
-        mask = torch.ones(lp.heads * lp.d_k, dtype=torch.bool)
-        mask[retained_rows(lp)] = False
+        mask = torch.ones(lp.heads * lp.d_k, dtype=torch.bool, device=device)
+        mask[retained_rows(lp, device)] = False
         out.append(torch.nonzero(mask).flatten())
     return out
 
@@ -59,7 +59,8 @@ class ReadOnlyKV:
     prefixes (sequence i: positions [0, len(slots[i]))) and write nothing."""
 
     def __init__(self, storage: dict[int, torch.Tensor], slots: list[torch.Tensor]) -> None:
-        self.storage, self.slots = storage, slots
+        device = next(iter(storage.values())).device if storage else None
+        self.storage, self.slots = storage, [s.to(device) for s in slots]
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
         return self.storage[layer][self.slots[seq]]
@@ -80,7 +81,8 @@ def refresh_local_units(model, prefixes: list[list[int]], kv_storage: dict[int, 
         return 0
     lens = [min(window, len(p)) for p in prefixes]
     starts = [len(p) - n for p, n in zip(prefixes, lens)]
-    ids = torch.tensor([t for p, s in zip(prefixes, starts) for t in p[s:]], dtype=torch.long)
+    ids = torch.tensor([t for p, s in zip(prefixes, starts) for t in p[s:]], dtype=torch.long,
+                       device=states.ssm[0].device)
     _, fresh = model(ids, BatchLayout(tuple(lens), tuple(starts)), ReadOnlyKV(kv_storage, slots),
                      model.empty_states(len(prefixes)))
     for j, local in enumerate(rows):

@@ -27,6 +27,7 @@ class PlacedDascCodec(CheckpointCodec):
         self.plan, self.placement, self.rank, self.quant = plan, placement, rank, quant
         self._conv_meta = [(c.shape[1:], c.dtype) for c in template.conv]
         self._ssm_shape = [s.shape[1:] for s in template.ssm]  # local [H_r, K, V]
+        self.device = template.ssm[0].device
         lp = plan.layers[0]
         self.d_v = lp.d_v
         self.unit_elems = lp.unit_elems
@@ -52,14 +53,14 @@ class PlacedDascCodec(CheckpointCodec):
                 rows += [local * lp.d_k + k for k in range(lp.d_k) if h * lp.d_k + k in keep]
             elif h in keep:
                 rows += [local * lp.d_k + k for k in range(lp.d_k)]
-        return torch.tensor(rows, dtype=torch.long)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def omitted_rows(self) -> list[torch.Tensor]:
         """Per layer, the rows of the local state that this rank does not store (what wr refreshes)."""
         out = []
         for j, kept in enumerate(self.local_rows):
             h, k, _ = self._ssm_shape[j]
-            mask = torch.ones(h * k, dtype=torch.bool)
+            mask = torch.ones(h * k, dtype=torch.bool, device=self.device)
             mask[kept] = False
             out.append(torch.nonzero(mask).flatten())
         return out
@@ -75,15 +76,16 @@ class PlacedDascCodec(CheckpointCodec):
     def allocate(self, num_slots: int) -> None:
         rows = self.placement.width * self.rows_per_unit
         dtype = torch.int8 if self.quant == "int8" else torch.float32
-        self.values = torch.zeros(num_slots, rows, self.d_v, dtype=dtype)
-        self.scales = torch.zeros(num_slots, rows, dtype=torch.float32) if self.quant == "int8" else None
-        self.conv = [torch.zeros(num_slots, *s, dtype=d) for s, d in self._conv_meta]
+        self.values = torch.zeros(num_slots, rows, self.d_v, dtype=dtype, device=self.device)
+        self.scales = torch.zeros(num_slots, rows, dtype=torch.float32, device=self.device) \
+            if self.quant == "int8" else None
+        self.conv = [torch.zeros(num_slots, *s, dtype=d, device=self.device) for s, d in self._conv_meta]
 
     def store(self, slot: int, state: LinearStates) -> None:
         units = torch.cat([state.ssm[j][0].reshape(-1, self.d_v)[rows] for j, rows in enumerate(self.local_rows)])
         units = units.float().reshape(self.units, self.unit_elems)
         received = self._exchange(units[self.keep :].reshape(-1), self.send, self.recv)
-        rows = torch.zeros(self.placement.width, self.unit_elems)
+        rows = units.new_zeros(self.placement.width, self.unit_elems)
         rows[: self.keep] = units[: self.keep]
         rows[self.keep : self.keep + received.numel() // self.unit_elems] = received.view(-1, self.unit_elems)
         rows = rows.view(-1, self.d_v)
@@ -103,7 +105,7 @@ class PlacedDascCodec(CheckpointCodec):
         ssm, lo = [], 0
         for j, local in enumerate(self.local_rows):
             h, k, v = self._ssm_shape[j]
-            full = torch.zeros(h * k, v)
+            full = mine.new_zeros(h * k, v)
             full[local] = mine[lo : lo + len(local)]
             lo += len(local)
             ssm.append(full.view(1, h, k, v))

@@ -2,9 +2,10 @@
 checkpoint storage) and the verbs the engine drives it with. The engine's scheduler and cache only decide
 slot ids; every byte moves here. Under TP the same verb runs on every rank (app/engine/tp.py).
 
-On a GPU the worker's verbs run with its device as the default for new tensors (`torch.device` as a context),
-so weights, pools, step inputs and codec storage all live there; the engine only sees slot ids and the
-step's logits, which come back to the host for sampling.
+Weights, pools, step inputs and codec storage live on the worker's device: every tensor is created there
+explicitly (from a weight, a template state or the layout's device), never through a default-device mode,
+which would add a Python call to every torch op of a step. The engine only sees slot ids and the step's
+logits, which come back to the host for sampling.
 
 All pieces of a step run in one forward: decode tokens of many sequences batch through the recurrent ops
 together (equal extend length 1), prefill pieces run with their peers of equal length, attention reads and
@@ -13,7 +14,6 @@ writes KV through `PagedKV`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,18 +76,6 @@ def worker_device(device: str, rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _on_device(verb):
-    """Run a worker verb with the worker's device as the default for new tensors. Skipped on the CPU (already
-    the default), where the device mode would only add a Python call to every op."""
-    @functools.wraps(verb)
-    def run(self, *args):
-        if self.device.type == "cpu":
-            return verb(self, *args)
-        with self.device:
-            return verb(self, *args)
-    return run
-
-
 class Worker:
     def __init__(self, model: HybridForCausalLM, cfg: EngineConfig, codec: CheckpointCodec | None = None,
                  tp: TPContext | None = None) -> None:
@@ -97,14 +85,13 @@ class Worker:
         self._allocate(cfg, codec)
         self.snapshots: dict[tuple[int, int], object] = {}
 
-    @_on_device
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
-        self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots, self.model.model.embed_tokens.weight.dtype)
+        self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots, self.model.model.embed_tokens.weight.dtype,
+                            self.device)
         self.states = StateStorage(self.model.empty_states(1), cfg.max_running)
         self.configure_checkpoints(cfg, codec)
 
     # ------------------------------------------------------------------ checkpoint storage
-    @_on_device
     def configure_checkpoints(self, cfg: EngineConfig, codec: CheckpointCodec | None = None) -> tuple[int, int]:
         """Build the codec the config asks for (dense, or dasc with a plan) and allocate its slots within the
         budget. Returns (bytes per slot, physical slots). Old checkpoints are dropped."""
@@ -125,31 +112,25 @@ class Worker:
         self.codec.allocate(self.physical)
         return self.codec.bytes_per_slot, self.physical
 
-    @_on_device
     def set_policy(self, policy: str) -> None:
         """wr needs the rows of this worker's state that the plan omits (under TP: of its own heads)."""
         self.local_rows = None
         if self.plan is not None and policy == "wr":
-            self.local_rows = local_rows(self.plan) if self.tp is None else self.codec.omitted_rows()
+            self.local_rows = local_rows(self.plan, self.device) if self.tp is None else self.codec.omitted_rows()
 
-    @_on_device
     def store(self, state_slot: int, ckpt_slot: int) -> None:
         self.codec.store(ckpt_slot, self.states.view(state_slot))
 
-    @_on_device
     def load(self, ckpt_slot: int, state_slot: int) -> None:
         self.states.write(state_slot, self.codec.load(ckpt_slot))
 
-    @_on_device
     def zero(self, state_slot: int) -> None:
         self.states.zero(state_slot)
 
-    @_on_device
     def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
         """Store the state the last run captured `offset` tokens into `state_slot`'s piece."""
         self.codec.store(ckpt_slot, self.snapshots[(state_slot, offset)])
 
-    @_on_device
     def copy_state(self, src_slot: int, offset: int | None, dst_slot: int) -> None:
         """Fork: copy an active state into another slot, or the state the last run captured `offset` tokens
         into `src_slot`'s piece."""
@@ -159,11 +140,10 @@ class Worker:
             self.states.write(dst_slot, self.snapshots[(src_slot, offset)])
 
     # ------------------------------------------------------------------ compute
-    @_on_device
     @torch.no_grad()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Feed every piece; returns fp32 next-token logits [len(want_logits), V] on the host."""
-        ids = torch.tensor(batch.token_ids, dtype=torch.long)
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
         slots = batch.state_slots
@@ -176,7 +156,6 @@ class Worker:
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         return logits[batch.want_logits].float().cpu()
 
-    @_on_device
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
         """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""
         if not self.local_rows or not prefixes:

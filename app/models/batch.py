@@ -13,7 +13,7 @@ Attention layers append their new per-token KV entries and read the whole histor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -25,11 +25,14 @@ class BatchLayout:
     """Split of a flat token batch into sequences.
 
     Invariant: len(extend_lens) == len(cached_lens), every extend_len >= 1, every cached_len >= 0.
+    The tensors derived from it (positions, indices, masks) live on `device`, the device of the forward's
+    inputs (the model sets it: `on`).
     """
 
     extend_lens: tuple[int, ...]
     cached_lens: tuple[int, ...]
     snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets k (0 < k < extend_len) to capture
+    device: torch.device = field(default=torch.device("cpu"), compare=False)
 
     def __post_init__(self) -> None:
         if len(self.extend_lens) != len(self.cached_lens):
@@ -44,6 +47,11 @@ class BatchLayout:
     @classmethod
     def uniform(cls, batch_size: int, seq_len: int, cached_len: int = 0) -> "BatchLayout":
         return cls((seq_len,) * batch_size, (cached_len,) * batch_size)
+
+    def on(self, device: torch.device) -> "BatchLayout":
+        """This layout with its derived tensors on `device`."""
+        device = torch.device(device)
+        return self if device == self.device else replace(self, device=device)
 
     @property
     def num_seqs(self) -> int:
@@ -63,12 +71,16 @@ class BatchLayout:
     @cached_property
     def positions(self) -> torch.Tensor:
         """[N] int64 position of every flat token."""
-        return torch.cat([torch.arange(c, c + n) for n, c in zip(self.extend_lens, self.cached_lens)])
+        if len(set(self.extend_lens)) == 1 and len(set(self.cached_lens)) == 1:  # decode steps, uniform batches
+            row = torch.arange(self.cached_lens[0], self.cached_lens[0] + self.extend_lens[0], device=self.device)
+            return row.repeat(self.num_seqs)
+        return torch.tensor([p for n, c in zip(self.extend_lens, self.cached_lens) for p in range(c, c + n)],
+                            dtype=torch.long, device=self.device)
 
     @cached_property
     def last_token_index(self) -> torch.Tensor:
         """[num_seqs] flat index of each sequence's last token (where its next-token logits come from)."""
-        return torch.tensor(self.offsets[1:]) - 1
+        return torch.tensor(self.offsets[1:], device=self.device) - 1
 
     def memo(self, key: tuple, make):
         """A value derived from this layout alone (rotary tables, decode masks), computed once per forward
@@ -141,7 +153,7 @@ class LinearStates:
         return self.ssm[0].shape[0] if self.ssm else 0
 
     def select(self, index: list[int] | torch.Tensor) -> "LinearStates":
-        idx = torch.as_tensor(index, dtype=torch.long)
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.ssm[0].device if self.ssm else None)
         return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
 
     @staticmethod

@@ -60,12 +60,12 @@ class HybridForCausalLM(nn.Module):
 
     def empty_states(self, batch_size: int) -> LinearStates:
         """Zero recurrent state for `batch_size` sequences (conv in the model dtype, delta-rule state fp32)."""
-        dtype = self.model.embed_tokens.weight.dtype
+        weight = self.model.embed_tokens.weight
         conv, ssm = [], []
         for i in self.linear_layers:
             c_shape, s_shape = self.model.layers[i].mixer.state_shapes()
-            conv.append(torch.zeros(batch_size, *c_shape, dtype=dtype))
-            ssm.append(torch.zeros(batch_size, *s_shape, dtype=torch.float32))
+            conv.append(torch.zeros(batch_size, *c_shape, dtype=weight.dtype, device=weight.device))
+            ssm.append(torch.zeros(batch_size, *s_shape, dtype=torch.float32, device=weight.device))
         return LinearStates(conv, ssm)
 
     def forward(
@@ -79,6 +79,7 @@ class HybridForCausalLM(nn.Module):
         """input_ids: [N] flat tokens of `layout`. Returns logits ([N, V] if all_logits else [num_seqs, V] at each
         sequence's last token) and the new recurrent states of the batch's sequences (with `.snapshots` filled
         when the layout asks for states inside the step)."""
+        layout = layout.on(input_ids.device)
         hidden = self.model.embed_tokens(input_ids)
         new_conv, new_ssm, snapped = [], [], []
         j = 0

@@ -102,7 +102,8 @@ class Experts(nn.Module):
 
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [N, rotary_dim] for the half-split (rotate_half) convention."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -137,7 +138,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_l
     elif cached_len == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = torch.arange(s)[None, :] <= (torch.arange(t)[:, None] + cached_len)
+        mask = torch.arange(s, device=q.device)[None, :] <= (torch.arange(t, device=q.device)[:, None] + cached_len)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0, ..., :dv].transpose(0, 1)
 
@@ -178,13 +179,13 @@ def attend(
         )
         return out.reshape(b * t, *out.shape[2:])
     decode = [i for i, n in enumerate(layout.extend_lens) if n == 1]
-    pieces = []  # (flat rows, their attention output)
+    pieces = []  # (flat rows: an index tensor or a slice, their attention output)
     if len(decode) > 1:  # one padded batch for every single-token sequence
         rows = layout.last_token_index[decode]
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
         b, s_max = history.shape[:2]
-        mask = layout.memo(("decode_mask", s_max), lambda: torch.arange(s_max)[None, :] < torch.tensor(
-            [layout.cached_lens[i] + 1 for i in decode])[:, None])  # [B, S_max]
+        mask = layout.memo(("decode_mask", s_max), lambda: _length_mask(
+            [layout.cached_lens[i] + 1 for i in decode], s_max, layout.device))  # [B, S_max]
         if absorbed_decode is not None:
             pieces.append((rows, absorbed_decode(q[rows], history, mask)))
         else:
@@ -198,13 +199,18 @@ def attend(
         if i in decode:
             continue
         k, v = expand(kv.extend(layer, i, entries[lo:hi]))
-        pieces.append((torch.arange(lo, hi), causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)))
+        pieces.append((slice(lo, hi), causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)))
     if len(pieces) == 1:  # one piece covers the whole batch (a pure decode step, one sequence), in row order
         return pieces[0][1]
     out = q.new_empty(q.shape[0], *pieces[0][1].shape[1:])
     for rows, o in pieces:
         out[rows] = o
     return out
+
+
+def _length_mask(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] bool: row b is True in its first lengths[b] columns."""
+    return torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
 
 
 def _padded_decode_attention(q, k, v, mask, scale) -> torch.Tensor:

@@ -54,8 +54,9 @@ def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, spli
     out = None
     new_conv, new_ssm = [None] * b, [None] * b
     for t, seqs in groups:
-        tok = torch.cat([torch.arange(layout.offsets[i], layout.offsets[i] + t) for i in seqs])
-        idx = torch.tensor(seqs)
+        tok = torch.tensor([p for i in seqs for p in range(layout.offsets[i], layout.offsets[i] + t)],
+                           device=layout.device)
+        idx = torch.tensor(seqs, device=layout.device)
         o, c, s = _run_group(
             mixed[tok].view(len(seqs), t, -1), g[tok].view(len(seqs), t, *g.shape[1:]),
             beta[tok].view(len(seqs), t, -1), conv_weight,
@@ -79,9 +80,11 @@ def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_sta
     new_conv, new_ssm = [None] * layout.num_seqs, [None] * layout.num_seqs
     snaps = {}
     if plain:
-        tok = torch.cat([torch.arange(layout.offsets[i], layout.offsets[i + 1]) for i in plain])
-        idx = torch.tensor(plain)
-        sub = BatchLayout(tuple(layout.extend_lens[i] for i in plain), tuple(layout.cached_lens[i] for i in plain))
+        tok = torch.tensor([p for i in plain for p in range(layout.offsets[i], layout.offsets[i + 1])],
+                           device=layout.device)
+        idx = torch.tensor(plain, device=layout.device)
+        sub = BatchLayout(tuple(layout.extend_lens[i] for i in plain), tuple(layout.cached_lens[i] for i in plain),
+                          device=layout.device)
         o, c, s = _run_groups(mixed[tok], g[tok], beta[tok], sub, conv_weight,
                               None if conv_state is None else conv_state[idx],
                               None if ssm_state is None else ssm_state[idx], split, per_channel_gate, chunk_size)
