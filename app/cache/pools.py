@@ -12,7 +12,7 @@ import heapq
 
 import torch
 
-from app.models.batch import LinearStates
+from app.models.batch import LinearStates, host_to_device
 
 
 class SlotAllocator:
@@ -66,9 +66,9 @@ class PagedKV:
     """`AttentionKV` for one step: batch sequence i reads slots `history[i]` and writes `new[i]`.
 
     The slot tables arrive from the host. Each index a step needs (one sequence's slots, or the decode
-    batch's padded table with its new slots) is built there and moved to the storage's device in one copy,
-    once per step however many attention layers read it. Reads use index_select (faster on the CPU than
-    advanced indexing with the same 1-D index)."""
+    batch's padded table with its new slots) is built there and moved to the storage's device in one copy
+    without blocking (`host_to_device`), once per step however many attention layers read it. Reads use
+    index_select (faster on the CPU than advanced indexing with the same 1-D index)."""
 
     def __init__(self, pool: KVStorage, history: list[torch.Tensor], new: list[torch.Tensor]) -> None:
         self.pool, self.history, self.new = pool, history, new
@@ -77,7 +77,7 @@ class PagedKV:
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
         key = (seq,)
         if key not in self._index:
-            full = torch.cat([self.history[seq], self.new[seq]]).to(self.pool.device)
+            full = host_to_device(torch.cat([self.history[seq], self.new[seq]]), self.pool.device)
             self._index[key] = (full, full[self.history[seq].numel() :])
         full, write = self._index[key]
         store = self.pool.storage[layer]
@@ -89,7 +89,7 @@ class PagedKV:
         if key not in self._index:
             padded = torch.nn.utils.rnn.pad_sequence(
                 [torch.cat([self.history[s], self.new[s]]) for s in seqs], batch_first=True)
-            both = torch.cat([padded.view(-1)] + [self.new[s] for s in seqs]).to(self.pool.device)
+            both = host_to_device(torch.cat([padded.view(-1)] + [self.new[s] for s in seqs]), self.pool.device)
             self._index[key] = (both[: padded.numel()].view(padded.shape), both[padded.numel() :])
         index, write = self._index[key]
         store = self.pool.storage[layer]
@@ -111,11 +111,11 @@ class StateStorage:
         return LinearStates([torch.zeros_like(c[:1]) for c in self.conv], [torch.zeros_like(s[:1]) for s in self.ssm])
 
     def gather(self, slots: list[int]) -> LinearStates:
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        idx = host_to_device(slots, self.device)
         return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
 
     def scatter(self, slots: list[int], states: LinearStates) -> None:
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        idx = host_to_device(slots, self.device)
         for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
             dst.index_copy_(0, idx, src.to(dst.dtype))
 

@@ -15,7 +15,7 @@ import torch
 
 from app.dasc.codec import retained_rows
 from app.dasc.plan import SelectionPlan
-from app.models.batch import BatchLayout, LinearStates
+from app.models.batch import BatchLayout, LinearStates, host_to_device
 
 POLICIES = ("nr", "wr")
 
@@ -59,8 +59,8 @@ class ReadOnlyKV:
     prefixes (sequence i: positions [0, len(slots[i]))) and write nothing."""
 
     def __init__(self, storage: dict[int, torch.Tensor], slots: list[torch.Tensor]) -> None:
-        device = next(iter(storage.values())).device if storage else None
-        self.storage, self.slots = storage, [s.to(device) for s in slots]
+        device = next(iter(storage.values())).device if storage else torch.device("cpu")
+        self.storage, self.slots = storage, [host_to_device(s, device) for s in slots]
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
         return self.storage[layer][self.slots[seq]]
@@ -81,8 +81,7 @@ def refresh_local_units(model, prefixes: list[list[int]], kv_storage: dict[int, 
         return 0
     lens = [min(window, len(p)) for p in prefixes]
     starts = [len(p) - n for p, n in zip(prefixes, lens)]
-    ids = torch.tensor([t for p, s in zip(prefixes, starts) for t in p[s:]], dtype=torch.long,
-                       device=states.ssm[0].device)
+    ids = host_to_device([t for p, s in zip(prefixes, starts) for t in p[s:]], states.ssm[0].device)
     _, fresh = model(ids, BatchLayout(tuple(lens), tuple(starts)), ReadOnlyKV(kv_storage, slots),
                      model.empty_states(len(prefixes)))
     for j, local in enumerate(rows):

@@ -27,7 +27,7 @@ from app.dasc.plan import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
 from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
-from app.models.batch import BatchLayout
+from app.models.batch import BatchLayout, host_to_device
 from app.models.hybrid import HybridForCausalLM
 from app.models.loader import cast_model
 
@@ -143,7 +143,7 @@ class Worker:
     @torch.no_grad()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Feed every piece; returns fp32 next-token logits [len(want_logits), V] on the host."""
-        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        ids = host_to_device(batch.token_ids, self.device)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
         slots = batch.state_slots
@@ -154,7 +154,9 @@ class Worker:
             logits, new_states = self.model(ids, layout, kv, self.states.gather(slots))
             self.states.scatter(slots, new_states)
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
-        return logits[batch.want_logits].float().cpu()
+        if batch.want_logits != list(range(logits.shape[0])):
+            logits = logits[host_to_device(batch.want_logits, self.device)]
+        return logits.float().cpu()
 
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
         """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""

@@ -20,6 +20,18 @@ from typing import Protocol
 import torch
 
 
+def host_to_device(host: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    """A host tensor, or a list of ints (as int64), on `device`: token ids, an index. To a GPU it goes from
+    pinned memory without blocking: a copy from pageable memory synchronises the stream, so the host would
+    first wait for every kernel queued so far, and mid-forward the GPU would then idle while the host queues
+    the next ones."""
+    if not isinstance(host, torch.Tensor):
+        host = torch.tensor(host, dtype=torch.long, device="cpu")
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """Split of a flat token batch into sequences.
@@ -53,6 +65,10 @@ class BatchLayout:
         device = torch.device(device)
         return self if device == self.device else replace(self, device=device)
 
+    def tensor(self, values: list[int]) -> torch.Tensor:
+        """int64 values built on the host, on this layout's device (`host_to_device`)."""
+        return host_to_device(values, self.device)
+
     @property
     def num_seqs(self) -> int:
         return len(self.extend_lens)
@@ -74,13 +90,12 @@ class BatchLayout:
         if len(set(self.extend_lens)) == 1 and len(set(self.cached_lens)) == 1:  # decode steps, uniform batches
             row = torch.arange(self.cached_lens[0], self.cached_lens[0] + self.extend_lens[0], device=self.device)
             return row.repeat(self.num_seqs)
-        return torch.tensor([p for n, c in zip(self.extend_lens, self.cached_lens) for p in range(c, c + n)],
-                            dtype=torch.long, device=self.device)
+        return self.tensor([p for n, c in zip(self.extend_lens, self.cached_lens) for p in range(c, c + n)])
 
     @cached_property
     def last_token_index(self) -> torch.Tensor:
         """[num_seqs] flat index of each sequence's last token (where its next-token logits come from)."""
-        return torch.tensor(self.offsets[1:], device=self.device) - 1
+        return self.tensor([o - 1 for o in self.offsets[1:]])
 
     def memo(self, key: tuple, make):
         """A value derived from this layout alone (rotary tables, decode masks), computed once per forward

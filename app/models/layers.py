@@ -181,11 +181,11 @@ def attend(
     decode = [i for i, n in enumerate(layout.extend_lens) if n == 1]
     pieces = []  # (flat rows: an index tensor or a slice, their attention output)
     if len(decode) > 1:  # one padded batch for every single-token sequence
-        rows = layout.last_token_index[decode]
+        rows = layout.memo(("decode_rows",), lambda: layout.tensor([layout.offsets[i + 1] - 1 for i in decode]))
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
         b, s_max = history.shape[:2]
         mask = layout.memo(("decode_mask", s_max), lambda: _length_mask(
-            [layout.cached_lens[i] + 1 for i in decode], s_max, layout.device))  # [B, S_max]
+            layout.tensor([layout.cached_lens[i] + 1 for i in decode]), s_max))  # [B, S_max]
         if absorbed_decode is not None:
             pieces.append((rows, absorbed_decode(q[rows], history, mask)))
         else:
@@ -208,9 +208,9 @@ def attend(
     return out
 
 
-def _length_mask(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
+def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """[B, width] bool: row b is True in its first lengths[b] columns."""
-    return torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def _padded_decode_attention(q, k, v, mask, scale) -> torch.Tensor:

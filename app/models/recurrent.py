@@ -54,9 +54,8 @@ def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, spli
     out = None
     new_conv, new_ssm = [None] * b, [None] * b
     for t, seqs in groups:
-        tok = torch.tensor([p for i in seqs for p in range(layout.offsets[i], layout.offsets[i] + t)],
-                           device=layout.device)
-        idx = torch.tensor(seqs, device=layout.device)
+        tok = layout.tensor([p for i in seqs for p in range(layout.offsets[i], layout.offsets[i] + t)])
+        idx = layout.tensor(seqs)
         o, c, s = _run_group(
             mixed[tok].view(len(seqs), t, -1), g[tok].view(len(seqs), t, *g.shape[1:]),
             beta[tok].view(len(seqs), t, -1), conv_weight,
@@ -80,9 +79,8 @@ def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_sta
     new_conv, new_ssm = [None] * layout.num_seqs, [None] * layout.num_seqs
     snaps = {}
     if plain:
-        tok = torch.tensor([p for i in plain for p in range(layout.offsets[i], layout.offsets[i + 1])],
-                           device=layout.device)
-        idx = torch.tensor(plain, device=layout.device)
+        tok = layout.tensor([p for i in plain for p in range(layout.offsets[i], layout.offsets[i + 1])])
+        idx = layout.tensor(plain)
         sub = BatchLayout(tuple(layout.extend_lens[i] for i in plain), tuple(layout.cached_lens[i] for i in plain),
                           device=layout.device)
         o, c, s = _run_groups(mixed[tok], g[tok], beta[tok], sub, conv_weight,
