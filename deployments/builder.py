@@ -46,6 +46,7 @@ class EngineArgs(_Strict):
     layout: str = Field("ragged", description="ragged | padded")
     device: str = Field("cpu", description="cpu | cuda (a replica takes tp_size GPUs; rank r uses GPU r)")
     dtype: str = Field("float32", description="float32 | bfloat16 weights and KV")
+    decode_graphs: bool = Field(False, description="replay decode steps from CUDA graphs (tp 1, no routed experts)")
 
 
 class RouterArgs(_Strict):

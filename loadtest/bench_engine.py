@@ -39,13 +39,15 @@ from loadtest.common import append_section, header, median, save, table, timed
 
 
 class Place(NamedTuple):
-    """Where the engines, the floor and the baseline run: `cpu` float32, or e.g. `cuda` bfloat16."""
+    """Where the engines, the floor and the baseline run: `cpu` float32, or e.g. `cuda` bfloat16; `graphs`:
+    the engines replay decode steps from CUDA graphs."""
 
     device: str = "cpu"
     dtype: str = "float32"
+    graphs: bool = False
 
     def config(self, **kw) -> EngineConfig:
-        return EngineConfig(device=self.device, dtype=self.dtype, **kw)
+        return EngineConfig(device=self.device, dtype=self.dtype, decode_graphs=self.graphs, **kw)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -223,12 +225,13 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu | cuda: engines, floor and baseline all run there")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--decode-graphs", action="store_true", help="engines replay decode steps from CUDA graphs")
     p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"], choices=["ttft", "decode", "mixed"])
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
-    place = Place(args.device, args.dtype)
+    place = Place(args.device, args.dtype, args.decode_graphs)
     dtype = getattr(torch, args.dtype)
     model, tok = cast_model(load_model(model_dir).to(args.device), dtype).eval(), Tokenizer.from_dir(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
@@ -241,6 +244,7 @@ def main(argv=None) -> None:
     mixed = bench_mixed(model, tok, ref, args.repeats, place=place) if "mixed" in args.sections else None
     name = Path(args.model).name
     on = f" on {torch.cuda.get_device_name()}, {args.dtype}" if args.device.startswith("cuda") else ""
+    on += ", decode graphs" if args.decode_graphs else ""
     md = header(f"Engine: TTFT and decode ({name}{on})", config)
     if ttft_rows:
         md += ("\nTTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
@@ -268,7 +272,8 @@ def main(argv=None) -> None:
                     [[mixed["batch"], mixed["ours_tok_s"], mixed["hf_tok_s"], mixed["speedup"]]]) + "\n"
     print(md)
     sections = "" if len(args.sections) == 3 else "_" + "_".join(args.sections)
-    save(f"bench_engine_{name}" + ("_cuda" if on else "") + sections,
+    save(f"bench_engine_{name}" + ("_cuda" if args.device.startswith("cuda") else "")
+         + ("_graphs" if args.decode_graphs else "") + sections,
          {"config": config, "ttft": ttft_rows, "decode": decode_rows, "mixed": mixed})
     append_section(args.out, md)
 

@@ -67,6 +67,28 @@ def test_cuda_engine_matches_cpu_engine(name, w_max, quant, policy, no_tf32):
 
 
 @pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])
+def test_cuda_decode_graphs_match_eager_steps(name, no_tf32):
+    """Captured decode graphs (app/engine/graphs.py) give the eager GPU engine's tokens and logits, through
+    padded buckets, checkpoint hits and batch sizes that change as requests finish."""
+    _, tok = load_zoo(name)
+    ids = tok.encode(open(__file__).read())
+    prompts = [ids[i * 37 : i * 37 + 20 + 23 * i] for i in range(9)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs, logits, engines = {}, {}, {}
+    for graphs in (False, True):
+        engine = engines[graphs] = Engine(load_model(name), tok, EngineConfig(
+            device="cuda", interval=32, max_running=6, decode_graphs=graphs))
+        logits[graphs] = record_logits(engine)
+        outs[graphs] = [[o[0].output_ids for o in engine.generate(prompts, params)] for _ in range(2)]
+        engine.check_integrity()
+    assert outs[True] == outs[False]
+    assert logits[True].keys() == logits[False].keys()
+    assert max((logits[True][k] - v).abs().max().item() for k, v in logits[False].items()) < 1e-3
+    stats = engines[True].snapshot()["decode_graphs"]
+    assert stats["captured"] and stats["steps"] > 20 and len(stats["buckets"]) >= 2
+
+
+@pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])
 def test_cuda_bfloat16_hits_equal_cold(name):
     model, tok = load_zoo(name)
     prompts = _prompts(tok)

@@ -74,6 +74,15 @@ class PagedKV:
         self.pool, self.history, self.new = pool, history, new
         self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (read index, write index)
 
+    @classmethod
+    def decode(cls, pool: KVStorage, read: torch.Tensor, write: torch.Tensor) -> "PagedKV":
+        """A decode step of read.shape[0] sequences whose tables are device tensors already (a captured
+        graph's input buffers): row i reads `read[i]` (padded; the model masks by position) after writing
+        its new entry to `write[i]`."""
+        kv = cls(pool, [], [])
+        kv._index[("padded", *range(read.shape[0]))] = (read, write)
+        return kv
+
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
         key = (seq,)
         if key not in self._index:
@@ -110,12 +119,12 @@ class StateStorage:
         """Zero state of one sequence, shaped like the stored ones."""
         return LinearStates([torch.zeros_like(c[:1]) for c in self.conv], [torch.zeros_like(s[:1]) for s in self.ssm])
 
-    def gather(self, slots: list[int]) -> LinearStates:
-        idx = host_to_device(slots, self.device)
+    def gather(self, slots: list[int] | torch.Tensor) -> LinearStates:
+        idx = host_to_device(slots, self.device) if isinstance(slots, list) else slots
         return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
 
-    def scatter(self, slots: list[int], states: LinearStates) -> None:
-        idx = host_to_device(slots, self.device)
+    def scatter(self, slots: list[int] | torch.Tensor, states: LinearStates) -> None:
+        idx = host_to_device(slots, self.device) if isinstance(slots, list) else slots
         for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
             dst.index_copy_(0, idx, src.to(dst.dtype))
 

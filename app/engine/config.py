@@ -32,6 +32,8 @@ class EngineConfig:
     device: where the worker keeps weights, KV, states and checkpoints: `cpu`, or `cuda` (TP rank r on the
         r-th visible GPU) or `cuda:N` (rank r on GPU N + r). dtype: `float32` or `bfloat16` weights and KV
         (recurrent states and their checkpoints stay fp32).
+    decode_graphs: replay pure decode steps from captured CUDA graphs (app/engine/graphs.py; one worker, no
+        routed experts). On the CPU the same padded step runs eagerly: it is the tested twin, not faster.
     checkpoint_min_gap: a branch-point, generation-end or decode-interval checkpoint is skipped when the
         sequence already has a checkpoint fewer than this many tokens before it (a hit just above a branch
         point, a short answer, an interval position just after the prompt end): it would nearly duplicate
@@ -59,6 +61,7 @@ class EngineConfig:
     checkpoint_min_gap: int = 16
     device: str = "cpu"
     dtype: str = "float32"
+    decode_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:

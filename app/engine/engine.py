@@ -267,6 +267,8 @@ class Engine:
             "selector": self.plan.selector, "retained_fraction": self.plan.retained_fraction,
             "compression_ratio": DenseCodec(self.worker.states.template()).bytes_per_slot / self.codec.bytes_per_slot,
             "total_units": dense, "retained_units": self.plan.retained_units}
+        graphs = getattr(self.worker, "graphs", None)
+        snap["decode_graphs"] = None if graphs is None else graphs.stats()
         return snap
 
     def check_integrity(self) -> None:

@@ -27,6 +27,7 @@ from app.dasc.plan import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
 from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
+from app.engine.graphs import DecodeGraphs
 from app.models.batch import BatchLayout, host_to_device
 from app.models.hybrid import HybridForCausalLM
 from app.models.loader import cast_model
@@ -86,9 +87,15 @@ class Worker:
         self.snapshots: dict[tuple[int, int], object] = {}
 
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
-        self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots, self.model.model.embed_tokens.weight.dtype,
+        scratch = 1 if cfg.decode_graphs else 0  # one state slot and one KV slot past the allocators' for padding
+        self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots + scratch, self.model.model.embed_tokens.weight.dtype,
                             self.device)
-        self.states = StateStorage(self.model.empty_states(1), cfg.max_running)
+        self.states = StateStorage(self.model.empty_states(1), cfg.max_running + scratch)
+        self.graphs = None
+        if cfg.decode_graphs:
+            if self.tp is not None:
+                raise ValueError("decode_graphs runs with one worker (tp 1)")
+            self.graphs = DecodeGraphs(self.model, self.kv, self.states, cfg.max_running, cfg.kv_slots, self.device)
         self.configure_checkpoints(cfg, codec)
 
     # ------------------------------------------------------------------ checkpoint storage
@@ -143,6 +150,9 @@ class Worker:
     @torch.no_grad()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Feed every piece; returns fp32 next-token logits [len(want_logits), V] on the host."""
+        if self.graphs is not None and self.graphs.handles(batch):
+            self.snapshots = {}
+            return self.graphs.run(batch)
         ids = host_to_device(batch.token_ids, self.device)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)

@@ -60,6 +60,17 @@ class BatchLayout:
     def uniform(cls, batch_size: int, seq_len: int, cached_len: int = 0) -> "BatchLayout":
         return cls((seq_len,) * batch_size, (cached_len,) * batch_size)
 
+    @classmethod
+    def decode(cls, positions: torch.Tensor) -> "BatchLayout":
+        """One token per sequence at `positions`, a tensor already on the device (a captured decode graph's
+        input buffer). Nothing in a decode forward reads host lengths (attention masks come from positions),
+        so a graph captured with one set of positions replays right with any other; cached_lens are
+        placeholders here."""
+        n = positions.shape[0]
+        layout = cls((1,) * n, (0,) * n, device=positions.device)
+        layout.__dict__["positions"] = positions  # what the cached property would compute from host lengths
+        return layout
+
     def on(self, device: torch.device) -> "BatchLayout":
         """This layout with its derived tensors on `device`."""
         device = torch.device(device)
@@ -83,6 +94,11 @@ class BatchLayout:
     @property
     def num_tokens(self) -> int:
         return self.offsets[-1]
+
+    @property
+    def all_decode(self) -> bool:
+        """One token per sequence: every flat row is its sequence's last token."""
+        return self.num_tokens == self.num_seqs
 
     @cached_property
     def positions(self) -> torch.Tensor:

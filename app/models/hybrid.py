@@ -97,7 +97,7 @@ class HybridForCausalLM(nn.Module):
                 x = layer.mixer(x, layout, kv, idx)
             hidden = hidden + self._reduce(x)
             hidden = hidden + self._reduce(layer.mlp(layer.post_attention_layernorm(hidden)))
-        if not all_logits:
+        if not all_logits and not layout.all_decode:
             hidden = hidden[layout.last_token_index]
         logits = self.lm_head(self.model.norm(hidden))
         states = LinearStates(new_conv, new_ssm)

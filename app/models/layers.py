@@ -180,27 +180,25 @@ def attend(
         return out.reshape(b * t, *out.shape[2:])
     decode = [i for i, n in enumerate(layout.extend_lens) if n == 1]
     pieces = []  # (flat rows: an index tensor or a slice, their attention output)
-    if len(decode) > 1:  # one padded batch for every single-token sequence
-        rows = layout.memo(("decode_rows",), lambda: layout.tensor([layout.offsets[i + 1] - 1 for i in decode]))
+    if decode:  # one padded batch for every single-token sequence
+        rows = slice(None) if layout.all_decode else layout.memo(
+            ("decode_rows",), lambda: layout.tensor([layout.offsets[i + 1] - 1 for i in decode]))
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
         b, s_max = history.shape[:2]
-        mask = layout.memo(("decode_mask", s_max), lambda: _length_mask(
-            layout.tensor([layout.cached_lens[i] + 1 for i in decode]), s_max))  # [B, S_max]
+        # sequence i sees its position + 1 entries; from positions, not host lengths (see BatchLayout.decode)
+        mask = layout.memo(("decode_mask", s_max), lambda: _length_mask(layout.positions[rows] + 1, s_max))
         if absorbed_decode is not None:
             pieces.append((rows, absorbed_decode(q[rows], history, mask)))
         else:
             k, v = expand(history.flatten(0, 1))
             k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
             pieces.append((rows, _padded_decode_attention(q[rows], k, v, mask[:, None, None, :], scale)))
-        decode = set(decode)
-    else:
-        decode = set()
+    done = set(decode)
     for i, (lo, hi) in enumerate(zip(layout.offsets[:-1], layout.offsets[1:])):
-        if i in decode:
-            continue
-        k, v = expand(kv.extend(layer, i, entries[lo:hi]))
-        pieces.append((slice(lo, hi), causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)))
-    if len(pieces) == 1:  # one piece covers the whole batch (a pure decode step, one sequence), in row order
+        if i not in done:
+            k, v = expand(kv.extend(layer, i, entries[lo:hi]))
+            pieces.append((slice(lo, hi), causal_attention(q[lo:hi], k, v, layout.cached_lens[i], scale)))
+    if len(pieces) == 1:  # one piece covers the whole batch (a pure decode step, or one sequence), in row order
         return pieces[0][1]
     out = q.new_empty(q.shape[0], *pieces[0][1].shape[1:])
     for rows, o in pieces:
