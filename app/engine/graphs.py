@@ -93,7 +93,8 @@ class DecodeGraphs:
             out = decode_step(self.model, self.kv, self.states, inputs)
         else:
             inputs.flat.copy_(host.pin_memory(), non_blocking=True)
-            graph.replay()
+            with torch.cuda.device(self.device):
+                graph.replay()
         self.replays += 1
         return out[:n].float().cpu()
 
@@ -119,13 +120,14 @@ class DecodeGraphs:
         inputs.state_slots.fill_(self.scratch_state)
         if not self.capture:
             return None, inputs, None
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: allocator, library handles, stacked weights
-            for _ in range(2):
-                decode_step(self.model, self.kv, self.states, inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = decode_step(self.model, self.kv, self.states, inputs)
+        with torch.cuda.device(self.device):  # captures go to the current device: make it the worker's
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture: allocator, library handles, stacked weights
+                for _ in range(2):
+                    decode_step(self.model, self.kv, self.states, inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = decode_step(self.model, self.kv, self.states, inputs)
         return graph, inputs, out
