@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
+from app.cache.pools import padded_rows
 from app.engine import graphs
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
@@ -101,3 +103,10 @@ def test_decode_graphs_refuses_routed_experts_and_tensor_parallel():
 @pytest.mark.parametrize("n, floor, want", [(1, 1, 1), (3, 1, 4), (8, 1, 8), (9, 1, 16), (1, 64, 64), (65, 64, 128)])
 def test_buckets(n, floor, want):
     assert graphs.bucket(n, floor) == want
+
+
+def test_padded_rows():
+    t = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    rows = [[t(1, 2, 3), t(9)], [], [t(), t(7)], [t(4, 5, 6, 8, 0)]]
+    assert padded_rows(rows, 5, -1).tolist() == [[1, 2, 3, 9, -1], [-1] * 5, [7, -1, -1, -1, -1], [4, 5, 6, 8, 0]]
+    assert padded_rows([[], []], 2, 3).tolist() == [[3, 3], [3, 3]]

@@ -62,6 +62,17 @@ class KVStorage:
         self.bytes_per_token = sum(w for w in widths.values()) * dtype.itemsize
 
 
+def padded_rows(rows: list[list[torch.Tensor]], width: int, fill: int) -> torch.Tensor:
+    """[len(rows), width] int64 on the host: row i holds its tensors end to end, then `fill`. A fixed number of
+    ops however many rows (a decode step builds one such table per step)."""
+    lens = torch.tensor([sum(t.numel() for t in parts) for parts in rows], dtype=torch.long, device="cpu")
+    values = torch.cat([torch.zeros(0, dtype=torch.long, device="cpu")] + [t for parts in rows for t in parts])
+    out = torch.full((len(rows), width), fill, dtype=torch.long, device="cpu")
+    shift = torch.arange(len(rows), device="cpu") * width - (torch.cumsum(lens, 0) - lens)  # row start - value start
+    out.view(-1)[torch.repeat_interleave(shift, lens) + torch.arange(values.numel(), device="cpu")] = values
+    return out
+
+
 class PagedKV:
     """`AttentionKV` for one step: batch sequence i reads slots `history[i]` and writes `new[i]`.
 
@@ -96,8 +107,8 @@ class PagedKV:
     def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
         key = ("padded", *seqs)
         if key not in self._index:
-            padded = torch.nn.utils.rnn.pad_sequence(
-                [torch.cat([self.history[s], self.new[s]]) for s in seqs], batch_first=True)
+            rows = [[self.history[s], self.new[s]] for s in seqs]
+            padded = padded_rows(rows, max(h.numel() + n.numel() for h, n in rows), 0)
             both = host_to_device(torch.cat([padded.view(-1)] + [self.new[s] for s in seqs]), self.pool.device)
             self._index[key] = (both[: padded.numel()].view(padded.shape), both[padded.numel() :])
         index, write = self._index[key]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.cache.pools import KVStorage, PagedKV, StateStorage
+from app.cache.pools import KVStorage, PagedKV, StateStorage, padded_rows
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
 from app.models.layers import Experts
@@ -100,15 +100,11 @@ class DecodeGraphs:
 
     def _host_inputs(self, batch: StepBatch, b: int, s: int) -> torch.Tensor:
         n, pad = len(batch.extend_lens), b - len(batch.extend_lens)
-        flat = torch.full((4 * b + b * s,), self.scratch_kv, dtype=torch.long, device="cpu")
-        flat[: 3 * b] = torch.tensor(list(batch.token_ids) + [0] * pad + list(batch.cached_lens) + [0] * pad
-                                     + list(batch.state_slots) + [self.scratch_state] * pad, device="cpu")
-        flat[3 * b : 3 * b + n] = torch.cat(batch.new_slots)
-        read = flat[4 * b :].view(b, s)
-        for i, (history, new) in enumerate(zip(batch.history, batch.new_slots)):
-            read[i, : history.numel()] = history
-            read[i, history.numel()] = new[0]
-        return flat
+        head = torch.tensor(list(batch.token_ids) + [0] * pad + list(batch.cached_lens) + [0] * pad
+                            + list(batch.state_slots) + [self.scratch_state] * pad, device="cpu")
+        write = torch.cat(batch.new_slots + [torch.full((pad,), self.scratch_kv, dtype=torch.long, device="cpu")])
+        rows = [[h, w] for h, w in zip(batch.history, batch.new_slots)] + [[]] * pad
+        return torch.cat([head, write, padded_rows(rows, s, self.scratch_kv).view(-1)])
 
     def _prepare(self, b: int, s: int):
         """A bucket's input buffer (every slot the scratch ones, so warm-up steps touch nothing else) and, on a
