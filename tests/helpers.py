@@ -16,15 +16,17 @@ def load_zoo(name: str):
 
 
 def record_logits(engine: Engine) -> dict:
-    """Wrap the runner so every next-token logit vector is kept, keyed by (request, seq, position)."""
+    """Wrap the runner so every next-token logit vector is kept, keyed by (request, seq, position). Greedy
+    rows come back as logits too (`keep_logits`) and are picked on the host."""
     seen, run = {}, engine.run_works
+    engine.keep_logits = True
 
     def recording(works):
-        logits = run(works)
+        picked, logits = run(works)
         for w in works:
             if id(w.seq) in logits:
                 seen[(w.seq.request_id, w.seq.index, w.end)] = logits[id(w.seq)].clone()
-        return logits
+        return picked, logits
 
     engine.run_works = recording
     return seen

@@ -205,6 +205,25 @@ def test_seeded_samples_differ_and_repeat(zoo):
     assert len({tuple(s) for s in runs[0]}) == 3
 
 
+def test_greedy_picks_beside_the_logits_equal_host_picks(zoo):
+    """Greedy rows get their argmax from the worker (no logits to the host) while sampled rows in the same
+    steps get logits: the same tokens as an engine that brings every row to the host (`keep_logits`)."""
+    model, tok = zoo
+    prompts = _prompts(tok, 6)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
+    outs = []
+    for keep in (False, True):
+        eng = Engine(model, tok, EngineConfig())
+        eng.keep_logits = keep
+        rids = [eng.add_request(p, greedy if i % 2 else sampled) for i, p in enumerate(prompts)]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o.output_ids for o in eng.step() if o.finished})
+        outs.append([done[r] for r in rids])
+    assert outs[0] == outs[1]
+
+
 def test_abort_releases_a_held_fork_state(zoo):
     model, tok = zoo
     eng = Engine(model, tok, EngineConfig(w_max=16))

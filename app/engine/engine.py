@@ -40,6 +40,7 @@ class Engine:
         self.max_model_len = cfg.max_model_len or _model_len(model)
         self._ids = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}
+        self.keep_logits = False  # True: greedy rows come back as logits too (tests that compare logits)
 
     @property
     def codec(self) -> CheckpointCodec:
@@ -126,8 +127,8 @@ class Engine:
             if not w.seq.counted:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
-        logits = self.run_works(works)
-        greedy = _greedy_tokens(works, logits)
+        picked, logits = self.run_works(works)
+        picked.update(_greedy_tokens(works, logits))
         self.telemetry.steps += 1
         outputs = []
         for w in works:
@@ -135,8 +136,8 @@ class Engine:
             seq.num_computed = w.end
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
             self._checkpoint_after(seq, w.start)
-            if id(seq) in logits:
-                token = greedy[id(seq)] if id(seq) in greedy else _sample(seq, logits[id(seq)])
+            if id(seq) in picked or id(seq) in logits:
+                token = picked[id(seq)] if id(seq) in picked else _sample(seq, logits[id(seq)])
                 outputs.append(self._append_token(seq, token))
         return outputs
 
@@ -224,17 +225,21 @@ class Engine:
         if all(s.is_finished for s in self._seqs.get(seq.request_id, [])):
             self._seqs.pop(seq.request_id, None)
 
-    def run_works(self, works: list[Work]) -> dict[int, torch.Tensor]:
-        """One forward for the step's pieces; next-token logits keyed by id(seq) for pieces that reach the end
-        of their sequence's token stream."""
+    def run_works(self, works: list[Work]) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
+        """One forward for the step's pieces. For pieces that reach the end of their sequence's token stream:
+        greedy picks made beside the logits (unless `keep_logits`), and next-token logits for the others, both
+        keyed by id(seq)."""
         want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens]
+        greedy = tuple(works[i].seq.params.temperature <= 0 and not self.keep_logits for i in want)
         snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
         batch = StepBatch([t for w in works for t in w.seq.token_range(w.start, w.end)],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
                           [w.seq.kv_slots for w in works], [w.new_slots for w in works],
-                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else ())
-        logits = self.worker.run(batch)
-        return {id(works[i].seq): logits[j] for j, i in enumerate(want)}
+                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy)
+        tokens, logits = self.worker.run(batch)
+        keys = [id(works[i].seq) for i in want]
+        return (dict(zip([k for k, g in zip(keys, greedy) if g], tokens)),
+                dict(zip([k for k, g in zip(keys, greedy) if not g], logits)))
 
     def _refresh_loaded(self, seqs: list[Sequence]) -> None:
         """wr: refresh the omitted units of the checkpoints loaded this step, in one batched replay."""

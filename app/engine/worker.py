@@ -4,8 +4,9 @@ slot ids; every byte moves here. Under TP the same verb runs on every rank (app/
 
 Weights, pools, step inputs and codec storage live on the worker's device: every tensor is created there
 explicitly (from a weight, a template state or the layout's device), never through a default-device mode,
-which would add a Python call to every torch op of a step. The engine only sees slot ids and the step's
-logits, which come back to the host for sampling.
+which would add a Python call to every torch op of a step. The engine only sees slot ids, the greedy
+picks of a step (argmax where the logits are) and the logits of its sampled rows, which come back to the
+host.
 
 All pieces of a step run in one forward: decode tokens of many sequences batch through the recurrent ops
 together (equal extend length 1), prefill pieces run with their peers of equal length, attention reads and
@@ -37,8 +38,8 @@ from app.models.loader import cast_model
 class StepBatch:
     """One forward: sequence i feeds token_ids[offsets[i]:offsets[i+1]] at positions cached_lens[i]...,
     reads KV `history[i]`, writes `new_slots[i]`, carries state slot `state_slots[i]`; logits come back for
-    the sequences listed in `want_logits` (their last token). States after `snapshots[i]` tokens of a piece
-    are kept until the next run, for `store_snapshot`."""
+    the sequences listed in `want_logits` (their last token), or only the argmax token for those `greedy`
+    marks. States after `snapshots[i]` tokens of a piece are kept until the next run, for `store_snapshot`."""
 
     token_ids: list[int]
     extend_lens: tuple[int, ...]
@@ -48,6 +49,7 @@ class StepBatch:
     state_slots: list[int]
     want_logits: list[int]
     snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets inside its piece to keep states at
+    greedy: tuple[bool, ...] = ()  # per want_logits entry: only its argmax token is needed
 
 
 @dataclass(frozen=True)
@@ -148,11 +150,12 @@ class Worker:
 
     # ------------------------------------------------------------------ compute
     @torch.no_grad()
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Feed every piece; returns fp32 next-token logits [len(want_logits), V] on the host."""
+    def run(self, batch: StepBatch) -> tuple[list[int], torch.Tensor]:
+        """Feed every piece; returns the argmax tokens of the `greedy` rows of `want_logits` and the fp32
+        next-token logits of the others, on the host (see `split_logits`)."""
         if self.graphs is not None and self.graphs.handles(batch):
             self.snapshots = {}
-            return self.graphs.run(batch)
+            return split_logits(self.graphs.run(batch), batch.greedy)
         ids = host_to_device(batch.token_ids, self.device)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
@@ -166,7 +169,7 @@ class Worker:
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         if batch.want_logits != list(range(logits.shape[0])):
             logits = logits[host_to_device(batch.want_logits, self.device)]
-        return logits.float().cpu()
+        return split_logits(logits, batch.greedy)
 
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
         """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""
@@ -176,6 +179,18 @@ class Worker:
         n = refresh_local_units(self.model, prefixes, self.kv.storage, kv_slots, states, self.plan, self.local_rows)
         self.states.scatter(state_slots, states)
         return n
+
+
+def split_logits(logits: torch.Tensor, greedy: tuple[bool, ...]) -> tuple[list[int], torch.Tensor]:
+    """(the argmax tokens of the rows `greedy` marks, computed where the logits are; the other rows, fp32 on
+    the host). With a large vocabulary this keeps a step's [B, V] logits off the host link, and the argmax
+    off the host, for greedy requests. argmax takes the first maximum on ties, as `sample_token` does."""
+    if not any(greedy):
+        return [], logits.float().cpu()
+    picks = [i for i, g in enumerate(greedy) if g]
+    rest = [i for i, g in enumerate(greedy) if not g]
+    tokens = (logits if not rest else logits[host_to_device(picks, logits.device)]).argmax(-1).tolist()
+    return tokens, logits[host_to_device(rest, logits.device)].float().cpu()
 
 
 def kv_widths(model: HybridForCausalLM) -> dict[int, int]:
