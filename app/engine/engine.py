@@ -22,7 +22,7 @@ from app.engine.config import EngineConfig
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.scheduler import Scheduler, Work
 from app.engine.worker import StepBatch, Worker
-from app.models.generate import sample_token
+from app.models.sampling import sample_token
 from app.engine.telemetry import Telemetry
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer

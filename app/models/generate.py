@@ -6,24 +6,7 @@ import torch
 
 from app.models.batch import BatchLayout, ContiguousKV
 from app.models.hybrid import HybridForCausalLM
-
-
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0
-) -> int:
-    """logits: [V]. temperature 0 is greedy (argmax, lowest id on ties); top_k 0 is off."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+from app.models.sampling import sample_token
 
 
 @torch.no_grad()
