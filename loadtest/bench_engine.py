@@ -57,6 +57,7 @@ class Place(NamedTuple):
 CPU = Place()
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+SAMPLED = dict(temperature=0.7, top_p=0.9)  # the decode_sampled section's settings, ours and generate's
 
 
 def corpus_ids(tok: Tokenizer, n: int) -> list[int]:
@@ -89,13 +90,16 @@ def suffix_prefill(model, prompt: list[int], cached: int, place: Place = CPU) ->
 
 
 @torch.no_grad()
-def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int, place: Place = CPU) -> float:
-    """`generate` on one batch, left-padded (pad id 0, masked) where lengths differ, for `new_tokens` steps."""
+def hf_generate_time(ref, prompts: list[list[int]], new_tokens: int, place: Place = CPU,
+                     sampled: bool = False) -> float:
+    """`generate` on one batch, left-padded (pad id 0, masked) where lengths differ, for `new_tokens` steps;
+    greedy, or sampling as `SAMPLED` (top_k off, which `generate` would otherwise set to 50)."""
+    how = dict(do_sample=True, top_k=0, **SAMPLED) if sampled else dict(do_sample=False)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=ref.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ref.device)
     t, _ = timed(lambda: (ref.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), place.sync()))
+                                       min_new_tokens=new_tokens, pad_token_id=0, **how), place.sync()))
     return t
 
 
@@ -162,7 +166,8 @@ def _collect(pairs, hits: list, floors: list, cached: list, ratios: list) -> Non
     ratios.extend(t / f for t, f, _ in pairs)
 
 
-def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64, place: Place = CPU) -> list[dict]:
+def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64, place: Place = CPU,
+                 sampled: bool = False) -> list[dict]:
     source = corpus_ids(tok, prompt_len * max(batches))
     rows = []
     for b in batches:
@@ -170,12 +175,13 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
         ours, theirs = [], []
         for _ in range(repeats):
             engine = Engine(model, tok, place.config(enable_cache=False, max_running=max(batches)))
-            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            how = SAMPLED if sampled else dict(temperature=0.0)
+            params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **how)
             first = timed(engine.generate, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
             full = timed(engine.generate, prompts, params)[0]
             ours.append(b * (new_tokens - 1) / (full - first))
-            hf_first = hf_generate_time(ref, prompts, 1, place)
-            hf_full = hf_generate_time(ref, prompts, new_tokens, place)
+            hf_first = hf_generate_time(ref, prompts, 1, place, sampled)
+            hf_full = hf_generate_time(ref, prompts, new_tokens, place, sampled)
             theirs.append(b * (new_tokens - 1) / (hf_full - hf_first))
         row = {"batch": b, "ours_tok_s": median(ours), "hf_tok_s": median(theirs)}
         row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
@@ -226,7 +232,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda: engines, floor and baseline all run there")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--decode-graphs", action="store_true", help="engines replay decode steps from CUDA graphs")
-    p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"], choices=["ttft", "decode", "mixed"])
+    p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"],
+                   choices=["ttft", "decode", "decode_sampled", "mixed"])
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -241,11 +248,14 @@ def main(argv=None) -> None:
         if "ttft" in args.sections else []
     decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats, place=place) \
         if "decode" in args.sections else []
+    sampled_rows = bench_decode(model, tok, ref, args.batches, args.repeats, place=place, sampled=True) \
+        if "decode_sampled" in args.sections else []
     mixed = bench_mixed(model, tok, ref, args.repeats, place=place) if "mixed" in args.sections else None
     name = Path(args.model).name
     on = f" on {torch.cuda.get_device_name()}, {args.dtype}" if args.device.startswith("cuda") else ""
     on += ", decode graphs" if args.decode_graphs else ""
-    md = header(f"Engine: TTFT and decode ({name}{on})", config)
+    default = sorted(args.sections) == ["decode", "mixed", "ttft"]
+    md = header(f"Engine: {'TTFT and decode' if default else ', '.join(args.sections)} ({name}{on})", config)
     if ttft_rows:
         md += ("\nTTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
                "*floor*: model-only prefill of the uncached suffix, timed right after each hit; *ratio*: median of "
@@ -255,14 +265,17 @@ def main(argv=None) -> None:
                     [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
                       r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
                       r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in ttft_rows]) + "\n"
-    if decode_rows:
-        md += ("\nDecode tokens/s (64-token prompts, 64 new tokens, median of %d). *HF generate*: one static "
+    for rows, how in [(decode_rows, "greedy"), (sampled_rows, "sampling with temperature %(temperature)s, "
+                                                 "top-p %(top_p)s, top-k off, ours and HF alike" % SAMPLED)]:
+        if not rows:
+            continue
+        md += ("\nDecode tokens/s, %s (64-token prompts, 64 new tokens, median of %d). *HF generate*: one static "
                "batch of the same prompts; *HF one at a time*: its batch-1 rate, what a server without batching "
-               "delivers at any load:\n\n" % args.repeats)
-        hf_single = next((r["hf_tok_s"] for r in decode_rows if r["batch"] == 1), None)
+               "delivers at any load:\n\n" % (how, args.repeats))
+        hf_single = next((r["hf_tok_s"] for r in rows if r["batch"] == 1), None)
         md += table(["batch", "ours", "HF generate", "ratio", "ratio vs HF one at a time"],
                     [[r["batch"], r["ours_tok_s"], r["hf_tok_s"], r["speedup"],
-                      r["ours_tok_s"] / hf_single if hf_single else "-"] for r in decode_rows]) + "\n"
+                      r["ours_tok_s"] / hf_single if hf_single else "-"] for r in rows]) + "\n"
     if mixed:
         md += ("\nMixed batch, end to end (median of %d): %d requests, prompt lengths %d-%d, output budgets %d-%d "
                "tokens (%d in all); HF generate runs them as one left-padded static batch for the longest budget.\n\n"
@@ -271,10 +284,10 @@ def main(argv=None) -> None:
         md += table(["requests", "ours tok/s", "HF generate tok/s", "ratio"],
                     [[mixed["batch"], mixed["ours_tok_s"], mixed["hf_tok_s"], mixed["speedup"]]]) + "\n"
     print(md)
-    sections = "" if len(args.sections) == 3 else "_" + "_".join(args.sections)
+    sections = "" if default else "_" + "_".join(args.sections)
     save(f"bench_engine_{name}" + ("_cuda" if args.device.startswith("cuda") else "")
          + ("_graphs" if args.decode_graphs else "") + sections,
-         {"config": config, "ttft": ttft_rows, "decode": decode_rows, "mixed": mixed})
+         {"config": config, "ttft": ttft_rows, "decode": decode_rows, "decode_sampled": sampled_rows, "mixed": mixed})
     append_section(args.out, md)
 
 

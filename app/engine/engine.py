@@ -22,7 +22,7 @@ from app.engine.config import EngineConfig
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.scheduler import Scheduler, Work
 from app.engine.worker import StepBatch, Worker
-from app.models.sampling import sample_token
+from app.models.sampling import sample_rows
 from app.engine.telemetry import Telemetry
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer
@@ -129,6 +129,7 @@ class Engine:
                 w.seq.counted = True
         picked, logits = self.run_works(works)
         picked.update(_greedy_tokens(works, logits))
+        picked.update(_sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
         self.telemetry.steps += 1
         outputs = []
         for w in works:
@@ -136,9 +137,8 @@ class Engine:
             seq.num_computed = w.end
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
             self._checkpoint_after(seq, w.start)
-            if id(seq) in picked or id(seq) in logits:
-                token = picked[id(seq)] if id(seq) in picked else _sample(seq, logits[id(seq)])
-                outputs.append(self._append_token(seq, token))
+            if id(seq) in picked:
+                outputs.append(self._append_token(seq, picked[id(seq)]))
         return outputs
 
     def _checkpoint_after(self, seq: Sequence, start: int) -> None:
@@ -288,9 +288,14 @@ def _greedy_tokens(works: list[Work], logits: dict[int, torch.Tensor]) -> dict[i
     return dict(zip(keys, torch.stack([logits[k] for k in keys]).argmax(-1).tolist()))
 
 
-def _sample(seq: Sequence, logits: torch.Tensor) -> int:
-    p = seq.params
-    return sample_token(logits, p.temperature, p.top_p, seq.generator, p.top_k)
+def _sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, int]:
+    """The step's sampled picks (temperature > 0) in one `sample_rows` call, keyed by id(seq)."""
+    if not seqs:
+        return {}
+    params = [s.params for s in seqs]
+    tokens = sample_rows(torch.stack([logits[id(s)] for s in seqs]), [p.temperature for p in params],
+                         [p.top_p for p in params], [p.top_k for p in params], [s.generator for s in seqs])
+    return dict(zip([id(s) for s in seqs], tokens))
 
 
 def _model_len(model: HybridForCausalLM) -> int:
