@@ -38,7 +38,7 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_p: list[floa
     if any(0 < k < x.shape[-1] for k in top_k):
         x = _top_k(x, top_k)
     probs = torch.softmax(x, dim=-1)
-    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
+    u = torch.stack([torch.rand((), generator=g, device="cpu") for g in generators]).to(probs.device)
     out = [0] * len(generators)
     plain = [i for i, p in enumerate(top_p) if p >= 1.0]
     if plain:
@@ -69,7 +69,7 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, tor
         sub, p = _rows(probs, todo), _rows(top_p, todo)
         values, ids = sub.topk(k, dim=-1) if k < vocab else sub.sort(dim=-1, descending=True)
         before = values.cumsum(-1) - values  # mass of the tokens ranked above each one
-        done = (before[:, -1] >= p) if k < vocab else torch.ones(len(todo), dtype=torch.bool)
+        done = (before[:, -1] >= p) if k < vocab else torch.ones(len(todo), dtype=torch.bool, device=p.device)
         rows = [r for r, d in zip(todo, done.tolist()) if d]
         if rows:
             sel = done.nonzero()[:, 0] if len(rows) < len(todo) else slice(None)
