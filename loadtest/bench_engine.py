@@ -172,12 +172,12 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
     rows = []
     for b in batches:
         prompts = [source[i * prompt_len : (i + 1) * prompt_len] for i in range(b)]
+        how = SAMPLED if sampled else {"temperature": 0.0}
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **how)
         ours, theirs = [], []
         for _ in range(repeats):
             engine = Engine(model, tok, place.config(enable_cache=False, max_running=max(batches)))
-            how = SAMPLED if sampled else dict(temperature=0.0)
-            params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **how)
-            first = timed(engine.generate, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+            first = timed(engine.generate, prompts, ONE)[0]
             full = timed(engine.generate, prompts, params)[0]
             ours.append(b * (new_tokens - 1) / (full - first))
             hf_first = hf_generate_time(ref, prompts, 1, place, sampled)

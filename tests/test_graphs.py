@@ -66,7 +66,8 @@ def test_decode_step_reads_nothing_from_the_host(monkeypatch):
     inside = []
 
     def guarded(host, device):
-        assert not inside, "decode_step copied a host tensor to the device"
+        already_there = isinstance(host, torch.Tensor) and host.device == device  # passed through, no copy
+        assert not inside or already_there, "decode_step copied a host tensor to the device"
         return host_to_device(host, device)
 
     host_to_device = batch_module.host_to_device

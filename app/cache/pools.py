@@ -131,11 +131,11 @@ class StateStorage:
         return LinearStates([torch.zeros_like(c[:1]) for c in self.conv], [torch.zeros_like(s[:1]) for s in self.ssm])
 
     def gather(self, slots: list[int] | torch.Tensor) -> LinearStates:
-        idx = host_to_device(slots, self.device) if isinstance(slots, list) else slots
+        idx = host_to_device(slots, self.device)
         return LinearStates([c.index_select(0, idx) for c in self.conv], [s.index_select(0, idx) for s in self.ssm])
 
     def scatter(self, slots: list[int] | torch.Tensor, states: LinearStates) -> None:
-        idx = host_to_device(slots, self.device) if isinstance(slots, list) else slots
+        idx = host_to_device(slots, self.device)
         for dst, src in zip(self.conv + self.ssm, states.conv + states.ssm):
             dst.index_copy_(0, idx, src.to(dst.dtype))
 

@@ -21,7 +21,7 @@ from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.scheduler import Scheduler, Work
-from app.engine.worker import StepBatch, Worker
+from app.engine.worker import StepBatch, Worker, split_logits
 from app.models.sampling import sample_rows
 from app.engine.telemetry import Telemetry
 from app.models.hybrid import HybridForCausalLM
@@ -281,11 +281,11 @@ class Engine:
 
 
 def _greedy_tokens(works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, int]:
-    """The step's greedy picks in one argmax (first maximum on ties, as `sample_token`), keyed by id(seq)."""
+    """Greedy picks of rows that came back as logits (`keep_logits`), as the worker makes them, keyed by id(seq)."""
     keys = [id(w.seq) for w in works if id(w.seq) in logits and w.seq.params.temperature <= 0]
     if not keys:
         return {}
-    return dict(zip(keys, torch.stack([logits[k] for k in keys]).argmax(-1).tolist()))
+    return dict(zip(keys, split_logits(torch.stack([logits[k] for k in keys]), (True,) * len(keys))[0]))
 
 
 def _sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, int]:

@@ -187,9 +187,11 @@ def split_logits(logits: torch.Tensor, greedy: tuple[bool, ...]) -> tuple[list[i
     off the host, for greedy requests. argmax takes the first maximum on ties, as `sample_token` does."""
     if not any(greedy):
         return [], logits.float().cpu()
+    if all(greedy):
+        return logits.argmax(-1).tolist(), torch.empty(0, logits.shape[-1], device="cpu")
     picks = [i for i, g in enumerate(greedy) if g]
     rest = [i for i, g in enumerate(greedy) if not g]
-    tokens = (logits if not rest else logits[host_to_device(picks, logits.device)]).argmax(-1).tolist()
+    tokens = logits[host_to_device(picks, logits.device)].argmax(-1).tolist()
     return tokens, logits[host_to_device(rest, logits.device)].float().cpu()
 
 

@@ -21,13 +21,13 @@ import torch
 
 
 def host_to_device(host: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-    """A host tensor, or a list of ints (as int64), on `device`: token ids, an index. To a GPU it goes from
-    pinned memory without blocking: a copy from pageable memory synchronises the stream, so the host would
-    first wait for every kernel queued so far, and mid-forward the GPU would then idle while the host queues
-    the next ones."""
+    """A host tensor, or a list of ints (as int64), on `device`: token ids, an index (a tensor already there
+    comes back as is). To a GPU it goes from pinned memory without blocking: a copy from pageable memory
+    synchronises the stream, so the host would first wait for every kernel queued so far, and mid-forward the
+    GPU would then idle while the host queues the next ones."""
     if not isinstance(host, torch.Tensor):
         host = torch.tensor(host, dtype=torch.long, device="cpu")
-    if device.type != "cuda":
+    if host.device == device or device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
