@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
                            checkpoint_budget_mb=args.checkpoint_budget_mb, enable_cache=not args.no_cache,
                            w_max=args.w_max, policy=args.policy, quant=args.quant, layout=args.layout,
                            selector=args.selector, device=args.device, dtype=args.dtype,
-                           decode_graphs=args.decode_graphs)
+                           decode_graphs=args.decode_graphs, compile_decode=args.compile_decode)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (TP rank r on GPU N + r)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
     g.add_argument("--decode-graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    g.add_argument("--compile-decode", action="store_true", help="decode steps through torch.compile (Inductor)")
     g.add_argument("--stats", action="store_true", help="print engine telemetry to stderr at the end")
     cache = g.add_argument_group("prefix cache")
     cache.add_argument("--interval", type=int, default=0, help="checkpoint every N tokens (0: ends only)")

@@ -40,14 +40,16 @@ from loadtest.common import append_section, header, median, save, table, timed
 
 class Place(NamedTuple):
     """Where the engines, the floor and the baseline run: `cpu` float32, or e.g. `cuda` bfloat16; `graphs`:
-    the engines replay decode steps from CUDA graphs."""
+    the engines replay decode steps from CUDA graphs; `compiled`: their decode steps go through torch.compile."""
 
     device: str = "cpu"
     dtype: str = "float32"
     graphs: bool = False
+    compiled: bool = False
 
     def config(self, **kw) -> EngineConfig:
-        return EngineConfig(device=self.device, dtype=self.dtype, decode_graphs=self.graphs, **kw)
+        return EngineConfig(device=self.device, dtype=self.dtype, decode_graphs=self.graphs,
+                            compile_decode=self.compiled, **kw)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -174,17 +176,22 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
         prompts = [source[i * prompt_len : (i + 1) * prompt_len] for i in range(b)]
         how = SAMPLED if sampled else {"temperature": 0.0}
         params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **how)
-        ours, theirs = [], []
+        ours, eager, theirs = [], [], []
         for _ in range(repeats):
-            engine = Engine(model, tok, place.config(enable_cache=False, max_running=max(batches)))
-            first = timed(engine.generate, prompts, ONE)[0]
-            full = timed(engine.generate, prompts, params)[0]
-            ours.append(b * (new_tokens - 1) / (full - first))
+            places = [place, place._replace(compiled=False)] if place.compiled else [place]
+            for where, rates in zip(places, [ours, eager]):  # compiled: the eager engine too, as its baseline
+                engine = Engine(model, tok, where.config(enable_cache=False, max_running=max(batches)))
+                first = timed(engine.generate, prompts, ONE)[0]
+                full = timed(engine.generate, prompts, params)[0]
+                rates.append(b * (new_tokens - 1) / (full - first))
             hf_first = hf_generate_time(ref, prompts, 1, place, sampled)
             hf_full = hf_generate_time(ref, prompts, new_tokens, place, sampled)
             theirs.append(b * (new_tokens - 1) / (hf_full - hf_first))
         row = {"batch": b, "ours_tok_s": median(ours), "hf_tok_s": median(theirs)}
         row["speedup"] = row["ours_tok_s"] / row["hf_tok_s"]
+        if eager:
+            row["eager_tok_s"] = median(eager)
+            row["over_eager"] = row["ours_tok_s"] / row["eager_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -232,13 +239,15 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda: engines, floor and baseline all run there")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--decode-graphs", action="store_true", help="engines replay decode steps from CUDA graphs")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="engines run decode steps through torch.compile; decode sections also time eager engines")
     p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"],
                    choices=["ttft", "decode", "decode_sampled", "mixed"])
     p.add_argument("--out", default=None, help="append the markdown section to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
-    place = Place(args.device, args.dtype, args.decode_graphs)
+    place = Place(args.device, args.dtype, args.decode_graphs, args.compile_decode)
     dtype = getattr(torch, args.dtype)
     model, tok = cast_model(load_model(model_dir).to(args.device), dtype).eval(), Tokenizer.from_dir(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
@@ -254,6 +263,7 @@ def main(argv=None) -> None:
     name = Path(args.model).name
     on = f" on {torch.cuda.get_device_name()}, {args.dtype}" if args.device.startswith("cuda") else ""
     on += ", decode graphs" if args.decode_graphs else ""
+    on += ", compiled decode" if args.compile_decode else ""
     default = sorted(args.sections) == ["decode", "mixed", "ttft"]
     md = header(f"Engine: {'TTFT and decode' if default else ', '.join(args.sections)} ({name}{on})", config)
     if ttft_rows:
@@ -273,9 +283,13 @@ def main(argv=None) -> None:
                "batch of the same prompts; *HF one at a time*: its batch-1 rate, what a server without batching "
                "delivers at any load:\n\n" % (how, args.repeats))
         hf_single = next((r["hf_tok_s"] for r in rows if r["batch"] == 1), None)
-        md += table(["batch", "ours", "HF generate", "ratio", "ratio vs HF one at a time"],
-                    [[r["batch"], r["ours_tok_s"], r["hf_tok_s"], r["speedup"],
-                      r["ours_tok_s"] / hf_single if hf_single else "-"] for r in rows]) + "\n"
+        eager = ["ours eager", "compiled / eager"] if args.compile_decode else []
+        md += ("*ours eager*: the same engine without compiled decode steps, timed in the same repeats.\n\n"
+               if eager else "")
+        md += table(["batch", "ours", *eager, "HF generate", "ratio", "ratio vs HF one at a time"],
+                    [[r["batch"], r["ours_tok_s"], *([r["eager_tok_s"], r["over_eager"]] if eager else []),
+                      r["hf_tok_s"], r["speedup"], r["ours_tok_s"] / hf_single if hf_single else "-"]
+                     for r in rows]) + "\n"
     if mixed:
         md += ("\nMixed batch, end to end (median of %d): %d requests, prompt lengths %d-%d, output budgets %d-%d "
                "tokens (%d in all); HF generate runs them as one left-padded static batch for the longest budget.\n\n"
@@ -286,7 +300,7 @@ def main(argv=None) -> None:
     print(md)
     sections = "" if default else "_" + "_".join(args.sections)
     save(f"bench_engine_{name}" + ("_cuda" if args.device.startswith("cuda") else "")
-         + ("_graphs" if args.decode_graphs else "") + sections,
+         + ("_graphs" if args.decode_graphs else "") + ("_compiled" if args.compile_decode else "") + sections,
          {"config": config, "ttft": ttft_rows, "decode": decode_rows, "decode_sampled": sampled_rows, "mixed": mixed})
     append_section(args.out, md)
 

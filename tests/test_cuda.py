@@ -66,10 +66,12 @@ def test_cuda_engine_matches_cpu_engine(name, w_max, quant, policy, no_tf32):
     assert max((cpu[k] - gpu[k]).abs().max().item() for k in cpu) < (1e-2 if quant == "int8" else 1e-3)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])
-def test_cuda_decode_graphs_match_eager_steps(name, no_tf32):
-    """Captured decode graphs (app/engine/graphs.py) give the eager GPU engine's tokens and logits, through
-    padded buckets, checkpoint hits and batch sizes that change as requests finish."""
+def test_cuda_decode_graphs_match_eager_steps(name, compiled, no_tf32):
+    """Captured decode graphs (app/engine/graphs.py), of the eager or the compiled step, give the eager GPU
+    engine's tokens and logits, through padded buckets, checkpoint hits and batch sizes that change as requests
+    finish."""
     _, tok = load_zoo(name)
     ids = tok.encode(open(__file__).read())
     prompts = [ids[i * 37 : i * 37 + 20 + 23 * i] for i in range(9)]
@@ -77,7 +79,7 @@ def test_cuda_decode_graphs_match_eager_steps(name, no_tf32):
     outs, logits, engines = {}, {}, {}
     for graphs in (False, True):
         engine = engines[graphs] = Engine(load_model(name), tok, EngineConfig(
-            device="cuda", interval=32, max_running=6, decode_graphs=graphs))
+            device="cuda", interval=32, max_running=6, decode_graphs=graphs, compile_decode=graphs and compiled))
         logits[graphs] = record_logits(engine)
         outs[graphs] = [[o[0].output_ids for o in engine.generate(prompts, params)] for _ in range(2)]
         engine.check_integrity()
@@ -86,6 +88,7 @@ def test_cuda_decode_graphs_match_eager_steps(name, no_tf32):
     assert max((logits[True][k] - v).abs().max().item() for k, v in logits[False].items()) < 1e-3
     stats = engines[True].snapshot()["decode_graphs"]
     assert stats["captured"] and stats["steps"] > 20 and len(stats["buckets"]) >= 2
+    assert stats["compiled"] == compiled
 
 
 @pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])

@@ -4,7 +4,7 @@ On a GPU, a decode step of a model this engine serves is bound by kernel launche
 ops costs the host more time than the GPU. A CUDA graph records the launches of one step once and replays
 them with one call. A graph replays fixed shapes and fixed buffers, so the step here is built from device
 tensors only (`decode_step`): token ids, positions, state slots and KV tables go into the graph's input
-buffer with one host-to-device copy, and nothing in the forward reads host lengths (`BatchLayout.decode`).
+buffers with one host-to-device copy each, and nothing in the forward reads host lengths (`BatchLayout.decode`).
 Steps are padded up to a bucket: the batch to a power of two, the KV history to a power of two of at least
 64 tokens. Padding rows read and write a scratch state slot and a scratch KV slot that the allocators never
 hand out. One graph per (batch, history) bucket, captured on first use, all in one memory pool (a step's
@@ -12,8 +12,15 @@ logits are copied out before the next replay).
 
 On the CPU the same padded step runs eagerly, without capture: the twin the tests compare with the plain step.
 
-    int64 input buffer of a (b, s) bucket:
-    | ids [b] | positions [b] | state slots [b] | KV write slots [b] | KV read table [b, s], row-major |
+Compiled steps (`EngineConfig.compile_decode`): the step goes through `torch.compile` (Inductor), which fuses
+its elementwise ops into a few generated kernels around the matmuls (C++ on the CPU, Triton on a GPU, where
+the compiled step is then captured like the eager one). The history length stays symbolic, so there is one
+compiled step per batch bucket; all of them are compiled when the worker starts, not in the middle of a
+step. The compiled step bakes in the stacked projection weights (`stacked_linear`) of an eager warm-up step.
+
+    int64 input buffers of a (b, s) bucket:
+    head [4, b]:    ids | positions | state slots | KV write slots
+    kv_read [b, s]: each row's KV slots, padded with the scratch slot
 """
 
 from __future__ import annotations
@@ -39,37 +46,57 @@ def bucket(n: int, floor: int = 1) -> int:
 
 
 class DecodeInputs:
-    """The input buffer of one (b, s) bucket and its views."""
+    """The input buffers of one (b, s) bucket: `head` [4, b] rows ids, positions, state slots, KV write slots;
+    `kv_read` [b, s]. Two tensors, not views of one: a compiled step pays per call for inputs that alias."""
 
-    def __init__(self, flat: torch.Tensor, b: int, s: int) -> None:
-        self.flat = flat
-        self.ids, self.positions, self.state_slots, self.kv_write = flat[: 4 * b].view(4, b).unbind(0)
-        self.kv_read = flat[4 * b :].view(b, s)
+    def __init__(self, b: int, s: int, fill: int, scratch_state: int, device: torch.device) -> None:
+        self.head = torch.zeros((4, b), dtype=torch.long, device=device)
+        self.head[2].fill_(scratch_state)
+        self.head[3].fill_(fill)
+        self.kv_read = torch.full((b, s), fill, dtype=torch.long, device=device)
+
+    def fill(self, head: torch.Tensor, kv_read: torch.Tensor) -> None:
+        """Copy a step's host-built inputs in (to a GPU from pinned memory, without blocking)."""
+        for dst, src in ((self.head, head), (self.kv_read, kv_read)):
+            if dst.is_cuda:
+                dst.copy_(src.pin_memory(), non_blocking=True)
+            else:
+                dst.copy_(src)
 
 
 @torch.no_grad()
 def decode_step(model: HybridForCausalLM, kv: KVStorage, states: StateStorage, inputs: DecodeInputs) -> torch.Tensor:
     """One decode step from device tensors only (what a graph captures): logits [b, V]; the new states are
     written back to their slots, the new KV entries to theirs."""
-    layout = BatchLayout.decode(inputs.positions)
-    logits, new = model(inputs.ids, layout, PagedKV.decode(kv, inputs.kv_read, inputs.kv_write),
-                        states.gather(inputs.state_slots))
-    states.scatter(inputs.state_slots, new)
+    ids, positions, state_slots, kv_write = inputs.head.unbind(0)
+    logits, new = model(ids, BatchLayout.decode(positions), PagedKV.decode(kv, inputs.kv_read, kv_write),
+                        states.gather(state_slots))
+    states.scatter(state_slots, new)
     return logits
 
 
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, kv: KVStorage, states: StateStorage, scratch_state: int,
-                 scratch_kv: int, device: torch.device) -> None:
+                 scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False) -> None:
+        """scratch_state is also the largest batch (max_running). capture: CUDA graphs where the device is a GPU;
+        compiled: steps through torch.compile, one per batch bucket, compiled here."""
         if any(isinstance(m, Experts) for m in model.modules()):
-            raise ValueError("decode_graphs needs a model without routed experts: their token routing runs on "
-                             "the host (a device-to-host sync), which a CUDA graph cannot capture")
+            raise ValueError("decode_graphs and compile_decode need a model without routed experts: their token "
+                             "routing runs on the host (a device-to-host sync) and has data-dependent shapes")
         self.model, self.kv, self.states, self.device = model, kv, states, device
         self.scratch_state, self.scratch_kv = scratch_state, scratch_kv
-        self.capture = device.type == "cuda"
+        self.capture = capture and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._buckets: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, DecodeInputs, torch.Tensor | None]] = {}
         self.replays = 0
+        self.step = decode_step
+        self.compiled = compiled
+        if compiled:
+            # one cache entry per batch bucket and model (tests build several models in one process)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.step = torch.compile(decode_step, dynamic=False)
+            for b in range(bucket(scratch_state).bit_length()):
+                self._buckets[(1 << b, MIN_HISTORY)] = self._prepare(1 << b, MIN_HISTORY)
 
     @staticmethod
     def handles(batch: StepBatch) -> bool:
@@ -78,7 +105,8 @@ class DecodeGraphs:
         return not batch.snapshots and all(e == 1 for e in batch.extend_lens) and len(batch.want_logits) == n
 
     def stats(self) -> dict:
-        return {"buckets": sorted(self._buckets), "steps": self.replays, "captured": self.capture}
+        return {"buckets": sorted(self._buckets), "steps": self.replays, "captured": self.capture,
+                "compiled": self.compiled}
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits [n, V] on the device for a step `handles` accepts (a graph's output: read them before the
@@ -88,33 +116,34 @@ class DecodeGraphs:
         if (b, s) not in self._buckets:
             self._buckets[(b, s)] = self._prepare(b, s)
         graph, inputs, out = self._buckets[(b, s)]
-        host = self._host_inputs(batch, b, s)
+        inputs.fill(*self._host_inputs(batch, b, s))
         if graph is None:
-            inputs.flat.copy_(host)
-            out = decode_step(self.model, self.kv, self.states, inputs)
+            out = self.step(self.model, self.kv, self.states, inputs)
         else:
-            inputs.flat.copy_(host.pin_memory(), non_blocking=True)
             with torch.cuda.device(self.device):
                 graph.replay()
         self.replays += 1
         return out[:n]
 
-    def _host_inputs(self, batch: StepBatch, b: int, s: int) -> torch.Tensor:
-        n, pad = len(batch.extend_lens), b - len(batch.extend_lens)
+    def _host_inputs(self, batch: StepBatch, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's head [4, b] and KV read table [b, s], built on the host."""
+        pad = b - len(batch.extend_lens)
         head = torch.tensor(list(batch.token_ids) + [0] * pad + list(batch.cached_lens) + [0] * pad
                             + list(batch.state_slots) + [self.scratch_state] * pad, device="cpu")
         write = torch.cat(batch.new_slots + [torch.full((pad,), self.scratch_kv, dtype=torch.long, device="cpu")])
         rows = [[h, w] for h, w in zip(batch.history, batch.new_slots)] + [[]] * pad
-        return torch.cat([head, write, padded_rows(rows, s, self.scratch_kv).view(-1)])
+        return torch.cat([head, write]).view(4, b), padded_rows(rows, s, self.scratch_kv)
 
+    @torch.no_grad()  # as in worker.run: grad mode is part of what a compiled step was compiled for
     def _prepare(self, b: int, s: int):
         """A bucket's input buffer (every slot the scratch ones, so warm-up steps touch nothing else) and, on a
         GPU, its graph and output."""
-        flat = torch.full((4 * b + b * s,), self.scratch_kv, dtype=torch.long, device=self.device)
-        inputs = DecodeInputs(flat, b, s)
-        inputs.ids.zero_()
-        inputs.positions.zero_()
-        inputs.state_slots.fill_(self.scratch_state)
+        inputs = DecodeInputs(b, s, self.scratch_kv, self.scratch_state, self.device)
+        if self.compiled:
+            decode_step(self.model, self.kv, self.states, inputs)  # eager first: stacked weights for the trace
+            torch._dynamo.mark_dynamic(inputs.kv_read, 1)  # every history bucket shares the batch's compiled step
+            if not self.capture:
+                self.step(self.model, self.kv, self.states, inputs)  # compiles (once per batch bucket)
         if not self.capture:
             return None, inputs, None
         with torch.cuda.device(self.device):  # captures go to the current device: make it the worker's
@@ -122,9 +151,9 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture: allocator, library handles, stacked weights
                 for _ in range(2):
-                    decode_step(self.model, self.kv, self.states, inputs)
+                    self.step(self.model, self.kv, self.states, inputs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = decode_step(self.model, self.kv, self.states, inputs)
+                out = self.step(self.model, self.kv, self.states, inputs)
         return graph, inputs, out

@@ -41,8 +41,8 @@ def build_engine(model: str, cfg: EngineConfig, tp_size: int = 1, placement: str
     tokenizer = Tokenizer.from_dir(model_dir)
     if tp_size == 1:
         return Engine(load_model(model_dir, getattr(torch, cfg.dtype)), tokenizer, cfg)
-    if cfg.decode_graphs:
-        raise ValueError("decode_graphs runs with one worker: set tp to 1 or decode_graphs to false")
+    if cfg.decode_graphs or cfg.compile_decode:
+        raise ValueError("decode_graphs and compile_decode run with one worker: set tp to 1 or turn them off")
     group = TPGroup(str(model_dir), cfg, tp_size, placement)
     engine = Engine(group.model, tokenizer, cfg, worker=group)
     engine.tp_group = group

@@ -89,15 +89,17 @@ class Worker:
         self.snapshots: dict[tuple[int, int], object] = {}
 
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
-        scratch = 1 if cfg.decode_graphs else 0  # one state slot and one KV slot past the allocators' for padding
+        fixed = cfg.decode_graphs or cfg.compile_decode  # the padded decode step of app/engine/graphs.py
+        scratch = 1 if fixed else 0  # one state slot and one KV slot past the allocators' for padding
         self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots + scratch, self.model.model.embed_tokens.weight.dtype,
                             self.device)
         self.states = StateStorage(self.model.empty_states(1), cfg.max_running + scratch)
         self.graphs = None
-        if cfg.decode_graphs:
+        if fixed:
             if self.tp is not None:
-                raise ValueError("decode_graphs runs with one worker (tp 1)")
-            self.graphs = DecodeGraphs(self.model, self.kv, self.states, cfg.max_running, cfg.kv_slots, self.device)
+                raise ValueError("decode_graphs and compile_decode run with one worker (tp 1)")
+            self.graphs = DecodeGraphs(self.model, self.kv, self.states, cfg.max_running, cfg.kv_slots, self.device,
+                                       capture=cfg.decode_graphs, compiled=cfg.compile_decode)
         self.configure_checkpoints(cfg, codec)
 
     # ------------------------------------------------------------------ checkpoint storage

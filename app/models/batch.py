@@ -14,7 +14,6 @@ Attention layers append their new per-token KV entries and read the whole histor
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -30,6 +29,20 @@ def host_to_device(host: torch.Tensor | list[int], device: torch.device) -> torc
     if host.device == device or device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class _computed_once:
+    """functools.cached_property without its lock (Python 3.11 takes an RLock, which torch.compile cannot trace):
+    the value is computed on first access and stored in the instance dict, which then answers every later one."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,7 @@ class BatchLayout:
     def num_seqs(self) -> int:
         return len(self.extend_lens)
 
-    @cached_property
+    @_computed_once
     def offsets(self) -> tuple[int, ...]:
         out = [0]
         for n in self.extend_lens:
@@ -100,7 +113,7 @@ class BatchLayout:
         """One token per sequence: every flat row is its sequence's last token."""
         return self.num_tokens == self.num_seqs
 
-    @cached_property
+    @_computed_once
     def positions(self) -> torch.Tensor:
         """[N] int64 position of every flat token."""
         if len(set(self.extend_lens)) == 1 and len(set(self.cached_lens)) == 1:  # decode steps, uniform batches
@@ -108,7 +121,7 @@ class BatchLayout:
             return row.repeat(self.num_seqs)
         return self.tensor([p for n, c in zip(self.extend_lens, self.cached_lens) for p in range(c, c + n)])
 
-    @cached_property
+    @_computed_once
     def last_token_index(self) -> torch.Tensor:
         """[num_seqs] flat index of each sequence's last token (where its next-token logits come from)."""
         return self.tensor([o - 1 for o in self.offsets[1:]])

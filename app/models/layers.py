@@ -23,6 +23,8 @@ def stacked_linear(x: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tenso
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return torch.cat([F.linear(x, w) for w in weights], dim=-1)
     cached = getattr(linears[0], "_stacked", None)
+    if torch.compiler.is_compiling():  # a compiled decode step bakes in the weights stacked by its eager warm-up
+        return F.linear(x, cached[2]) if cached is not None else torch.cat([F.linear(x, w) for w in weights], -1)
     if cached is None or not _same_weights(cached[0], cached[1], weights):
         # `kept` holds the source storages, so no new tensor can reuse their addresses while cached
         kept = [w.detach() for w in weights]
@@ -185,8 +187,10 @@ def attend(
             ("decode_rows",), lambda: layout.tensor([layout.offsets[i + 1] - 1 for i in decode]))
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
         b, s_max = history.shape[:2]
-        # sequence i sees its position + 1 entries; from positions, not host lengths (see BatchLayout.decode)
-        mask = layout.memo(("decode_mask", s_max), lambda: _length_mask(layout.positions[rows] + 1, s_max))
+        # sequence i sees its position + 1 entries; from positions, not host lengths (see BatchLayout.decode).
+        # One mask per forward: every attention layer reads the same histories (s_max stays out of the key, so
+        # a compiled step keeps the history length symbolic)
+        mask = layout.memo(("decode_mask",), lambda: _length_mask(layout.positions[rows] + 1, s_max))
         if absorbed_decode is not None:
             pieces.append((rows, absorbed_decode(q[rows], history, mask)))
         else:
