@@ -47,6 +47,8 @@ class EngineArgs(_Strict):
     device: str = Field("cpu", description="cpu | cuda (a replica takes tp_size GPUs; rank r uses GPU r)")
     dtype: str = Field("float32", description="float32 | bfloat16 weights and KV")
     decode_graphs: bool = Field(False, description="replay decode steps from CUDA graphs (tp 1, no routed experts)")
+    compile_decode: bool = Field(False, description="decode steps through torch.compile, compiled at replica start "
+                                                    "(tp 1, no routed experts; needs a C++ compiler on the CPU)")
 
 
 class RouterArgs(_Strict):

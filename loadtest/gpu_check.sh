@@ -5,7 +5,8 @@
 #     bash loadtest/gpu_check.sh [OUT_DIR]        (PYTHON=... to pick the interpreter; default python3)
 # With ENGINE_BENCH=1 it then times the engine (needs transformers): a random-weight 0.82B Qwen3-Next-geometry
 # checkpoint (loadtest/synth_model.py), bench_engine on it in bfloat16 (TTFT and decode vs `generate`), then
-# decode again with the engine replaying CUDA graphs (--decode-graphs).
+# decode again with the engine replaying CUDA graphs (--decode-graphs), then replaying graphs of compiled steps
+# (--compile-decode, batches 1 and 16 only: start-up compiles every batch bucket up to the largest).
 # Exit status: pytest's. Logs and the benchmarks' JSON and markdown land in OUT_DIR.
 set -u
 OUT_DIR=${1:-/tmp/gpu_check}
@@ -29,6 +30,9 @@ if [ "${ENGINE_BENCH:-0}" = 1 ]; then
     | tee -a "$OUT_DIR/bench_engine.log"
   "$PY" -m loadtest.bench_engine --model "$OUT_DIR/synth-0.8b" --device cuda --dtype bfloat16 --repeats 3 \
     --batches 1 16 64 --sections decode mixed --decode-graphs --out "$OUT_DIR/bench_engine.md" 2>&1 \
+    | tee -a "$OUT_DIR/bench_engine.log"
+  "$PY" -m loadtest.bench_engine --model "$OUT_DIR/synth-0.8b" --device cuda --dtype bfloat16 --repeats 3 \
+    --batches 1 16 --sections decode --decode-graphs --compile-decode --out "$OUT_DIR/bench_engine.md" 2>&1 \
     | tee -a "$OUT_DIR/bench_engine.log"
   cp loadtest/results/bench_engine_*cuda*.json "$OUT_DIR/" 2>/dev/null
   rm -rf "$OUT_DIR/synth-0.8b"  # 1.6 GB of random weights
