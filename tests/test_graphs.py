@@ -70,7 +70,8 @@ def test_compiled_decode_equals_the_plain_engine(name):
     prompts = _prompts(tok, 5, seed=2)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     cfg = dict(max_running=2, interval=32)
-    plain, compiled = Engine(model, tok, EngineConfig(**cfg)), Engine(model, tok, EngineConfig(**cfg, compile_decode=True))
+    plain = Engine(model, tok, EngineConfig(**cfg))
+    compiled = Engine(model, tok, EngineConfig(**cfg, compile_decode=True))
     want_logits, got_logits = record_logits(plain), record_logits(compiled)
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in (1, 2):  # the second round hits the first one's checkpoints, and forks

@@ -136,7 +136,7 @@ class DecodeGraphs:
 
     @torch.no_grad()  # as in worker.run: grad mode is part of what a compiled step was compiled for
     def _prepare(self, b: int, s: int):
-        """A bucket's input buffer (every slot the scratch ones, so warm-up steps touch nothing else) and, on a
+        """A bucket's input buffers (every slot the scratch ones, so warm-up steps touch nothing else) and, on a
         GPU, its graph and output."""
         inputs = DecodeInputs(b, s, self.scratch_kv, self.scratch_state, self.device)
         if self.compiled:
