@@ -85,6 +85,20 @@ def test_compiled_decode_equals_the_plain_engine(name):
     compiled.check_integrity()
 
 
+def test_compile_failure_names_the_setting(monkeypatch):
+    """A machine where Inductor cannot build its kernels (no C++ compiler) fails at engine start, saying which
+    setting to turn off."""
+    def broken(fn, **kw):
+        def step(*args):
+            raise OSError("g++: command not found")
+        return step
+
+    monkeypatch.setattr(torch, "compile", broken)
+    model, tok = load_zoo("gdn-tiny")
+    with pytest.raises(RuntimeError, match="compile_decode: torch.compile failed.*g\\+\\+: command not found"):
+        Engine(model, tok, EngineConfig(max_running=2, compile_decode=True))
+
+
 def test_decode_step_reads_nothing_from_the_host(monkeypatch):
     """What a graph captures may not copy host data to the device: such a copy would be recorded once and
     replay stale values. Every host-to-device path raises inside decode_step here."""

@@ -95,8 +95,13 @@ class DecodeGraphs:
             # one cache entry per batch bucket and model (tests build several models in one process)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.step = torch.compile(decode_step, dynamic=False)
-            for b in range(bucket(scratch_state).bit_length()):
-                self._buckets[(1 << b, MIN_HISTORY)] = self._prepare(1 << b, MIN_HISTORY)
+            try:
+                for b in range(bucket(scratch_state).bit_length()):
+                    self._buckets[(1 << b, MIN_HISTORY)] = self._prepare(1 << b, MIN_HISTORY)
+            except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
+                raise RuntimeError(f"compile_decode: torch.compile failed on the decode step ({type(e).__name__}: "
+                                   f"{e}). On the CPU it needs a C++ compiler (g++); or set compile_decode to "
+                                   "false") from e
 
     @staticmethod
     def handles(batch: StepBatch) -> bool:
