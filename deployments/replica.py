@@ -32,7 +32,8 @@ class EngineReplica:
     def __init__(self, model: str, engine: dict, digest_block: int, controller: dict, threads: int = 1,
                  tp_size: int = 1, placement: str = "off") -> None:
         torch.set_num_threads(threads)
-        self.engine = AsyncEngine(build_engine(model, EngineConfig(**engine), tp_size, placement))
+        # built in the engine's step thread, where all its torch work runs (see AsyncEngine)
+        self.engine = AsyncEngine(lambda: build_engine(model, EngineConfig(**engine), tp_size, placement))
         self.digest_block = digest_block
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._ttfts: list[float] = []

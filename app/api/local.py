@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from app.api.metrics import ApiMetrics
 from app.api.routes import ApiSettings, build_api
@@ -18,9 +18,10 @@ from app.models.tokenizer import Tokenizer
 
 
 class LocalBackend:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
+        """An engine, or a factory: then the engine is built in its step thread (see AsyncEngine)."""
         self.engine = AsyncEngine(engine)
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = self.engine.engine.tokenizer
         self.metrics = ApiMetrics()
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -50,8 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--api-key", default=None)
     args = p.parse_args(argv)
     model_dir = resolve_model_dir(args.model)
-    engine = Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig())
-    app = build_api(LocalBackend(engine), ApiSettings(model_name=args.model, api_key=args.api_key))
+    backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig()))
+    app = build_api(backend, ApiSettings(model_name=args.model, api_key=args.api_key))
     uvicorn.run(app, host="127.0.0.1", port=args.port)
 
 

@@ -4,6 +4,10 @@
 early (client gone) aborts the request. New requests and aborts are handed to the loop thread through a
 short-held queue, so the event loop never waits for a model step. An exception inside a step is delivered
 to every open request, so nothing hangs.
+
+Given a factory instead of an engine, the loop thread builds the engine itself, and every parallel torch op
+then runs in that thread. With more than one torch thread, ops in a thread other than the one that ran the
+process's first OpenMP-parallel op ran 2-5x slower on the 2-core machine this was measured on (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -11,23 +15,41 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from app.engine.engine import Engine
 from app.engine.request import RequestOutput, SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
+        """`engine`, or a factory the loop thread calls first (its exception is raised here)."""
+        self.engine = engine if isinstance(engine, Engine) else None
         self._engine_lock = threading.Lock()  # held for a whole step
         self._cv = threading.Condition()  # held briefly, guards the hand-over lists
         self._pending: list[tuple[list[int], SamplingParams, str]] = []
         self._aborts: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        built: list[BaseException | None] = []
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                if self.engine is None:
+                    self.engine = engine()
+                built.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
+                built.append(e)
+            ready.set()
+            if built[0] is None:
+                self._loop()
+
+        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
+        ready.wait()
+        if built[0] is not None:
+            raise built[0]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
