@@ -1,0 +1,92 @@
+"""Step-thread benchmark: `python -m loadtest.bench_async [--threads 2] [--repeats 5] [--out docs/benchmarks.md]`.
+
+Serves the same concurrent requests through `AsyncEngine` with the engine built two ways: in the main
+thread and handed over (how replicas built it before), or built by the step thread from a factory (how
+they build it now). Each run is a fresh process, since what differs is which thread of the process ran
+torch's first OpenMP-parallel op; the two forms alternate, and each run times several rounds after a
+warm-up round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+
+import torch
+
+from loadtest.common import append_section, header, median, save, table, timed
+
+FORMS = ("main thread", "step thread")
+
+
+def _one_run(model: str, form: str, requests: int, tokens: int, rounds: int, threads: int) -> list[float]:
+    """Inside a child process: seconds per round of `requests` concurrent greedy requests."""
+    from app.engine.async_engine import AsyncEngine
+    from app.engine.config import EngineConfig
+    from app.engine.engine import Engine
+    from app.engine.request import SamplingParams
+    from app.models.loader import load_model, resolve_model_dir
+    from app.models.tokenizer import Tokenizer
+    from loadtest.bench_engine import corpus_ids
+
+    torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(model)
+    tok = Tokenizer.from_dir(model_dir)
+    make = lambda: Engine(load_model(model_dir), tok, EngineConfig(max_running=requests, enable_cache=False))  # noqa: E731
+    engine = AsyncEngine(make if form == "step thread" else make())
+    source = corpus_ids(tok, 64 * requests)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def serve_round():
+        async def one(prompt):
+            async for _ in engine.generate(prompt, params):
+                pass
+        await asyncio.gather(*[one(source[i * 64 : (i + 1) * 64]) for i in range(requests)])
+
+    asyncio.run(serve_round())  # warm-up
+    times = [timed(asyncio.run, serve_round())[0] for _ in range(rounds)]
+    engine.shutdown()
+    return times
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gdn-tiny")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1: the forms should not differ)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per process")
+    p.add_argument("--repeats", type=int, default=5, help="processes per form, alternating")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(_one_run(args.model, args.child, args.requests, args.tokens, args.rounds, args.threads)))
+        return
+    torch.set_num_threads(args.threads)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "child")}
+    runs: dict[str, list[float]] = {f: [] for f in FORMS}
+    for _ in range(args.repeats):
+        for form in FORMS:
+            out = subprocess.run([sys.executable, "-m", "loadtest.bench_async", *(argv or sys.argv[1:]),
+                                  "--child", form], check=True, capture_output=True, text=True).stdout
+            runs[form].append(median(json.loads(out.strip().splitlines()[-1])))
+            print(form, f"{runs[form][-1]:.3f} s", flush=True)
+    base = median(runs[FORMS[0]])
+    rows = [[form, median(t), min(t), max(t), base / median(t)] for form, t in runs.items()]
+    md = header("AsyncEngine: engine built in the main thread vs in its step thread", config)
+    md += ("\nSeconds to serve %d concurrent greedy requests of 64 prompt tokens and %d new tokens each (per "
+           "process: median of %d rounds after a warm-up; median, min and max over %d processes per form). "
+           "*speed-up*: main-thread median / this median.\n\n"
+           % (args.requests, args.tokens, args.rounds, args.repeats))
+    md += table(["engine built in", "median s", "min s", "max s", "speed-up"], rows) + "\n"
+    print(md)
+    save(f"bench_async_{args.model}_{args.threads}t", {"config": config, "runs": runs})
+    append_section(args.out, md)
+
+
+if __name__ == "__main__":
+    main()
