@@ -31,25 +31,25 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
-        built: list[BaseException | None] = []
+        failed: list[BaseException] = []
         ready = threading.Event()
 
         def run() -> None:
             try:
                 if self.engine is None:
                     self.engine = engine()
-                built.append(None)
             except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
-                built.append(e)
-            ready.set()
-            if built[0] is None:
+                failed.append(e)
+            finally:
+                ready.set()
+            if not failed:
                 self._loop()
 
         self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
         ready.wait()
-        if built[0] is not None:
-            raise built[0]
+        if failed:
+            raise failed[0]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -96,8 +96,7 @@ class DecodeGraphs:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.step = torch.compile(decode_step, dynamic=False)
             try:
-                for b in range(bucket(scratch_state).bit_length()):
-                    self._buckets[(1 << b, MIN_HISTORY)] = self._prepare(1 << b, MIN_HISTORY)
+                self._compile_buckets(bucket(scratch_state))
             except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
                 raise RuntimeError(f"compile_decode: torch.compile failed on the decode step ({type(e).__name__}: "
                                    f"{e}). On the CPU it needs a C++ compiler (g++); or set compile_decode to "
@@ -140,15 +139,22 @@ class DecodeGraphs:
         return torch.cat([head, write]).view(4, b), padded_rows(rows, s, self.scratch_kv)
 
     @torch.no_grad()  # as in worker.run: grad mode is part of what a compiled step was compiled for
+    def _compile_buckets(self, largest: int) -> None:
+        """Compile the step of every batch bucket up to `largest` (on a GPU, through its first capture), at the
+        shortest history. An eager step first makes the stacked weights that the trace bakes in."""
+        decode_step(self.model, self.kv, self.states,
+                    DecodeInputs(1, MIN_HISTORY, self.scratch_kv, self.scratch_state, self.device))
+        for i in range(largest.bit_length()):
+            entry = self._buckets[(1 << i, MIN_HISTORY)] = self._prepare(1 << i, MIN_HISTORY)
+            if entry[0] is None:  # not captured, so not compiled yet
+                self.step(self.model, self.kv, self.states, entry[1])
+
     def _prepare(self, b: int, s: int):
         """A bucket's input buffers (every slot the scratch ones, so warm-up steps touch nothing else) and, on a
         GPU, its graph and output."""
         inputs = DecodeInputs(b, s, self.scratch_kv, self.scratch_state, self.device)
         if self.compiled:
-            decode_step(self.model, self.kv, self.states, inputs)  # eager first: stacked weights for the trace
             torch._dynamo.mark_dynamic(inputs.kv_read, 1)  # every history bucket shares the batch's compiled step
-            if not self.capture:
-                self.step(self.model, self.kv, self.states, inputs)  # compiles (once per batch bucket)
         if not self.capture:
             return None, inputs, None
         with torch.cuda.device(self.device):  # captures go to the current device: make it the worker's
