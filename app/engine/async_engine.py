@@ -7,7 +7,7 @@ to every open request, so nothing hangs.
 
 Given a factory instead of an engine, the loop thread builds the engine itself, and every parallel torch op
 then runs in that thread. With more than one torch thread, ops in a thread other than the one that ran the
-process's first OpenMP-parallel op ran 2-5x slower on the 2-core machine this was measured on (docs/serving.md).
+process's first OpenMP-parallel op ran slower on a 2-core machine (loadtest/bench_async.py, docs/serving.md).
 """
 
 from __future__ import annotations
