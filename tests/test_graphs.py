@@ -85,6 +85,30 @@ def test_compiled_decode_equals_the_plain_engine(name):
     compiled.check_integrity()
 
 
+def test_compiled_engines_of_one_process_keep_their_own_models():
+    """Compiled steps skip Dynamo's guards on the model's modules, so each engine compiles its own copy of the
+    step. Two engines on models with the same KV and state shapes but different MLP widths (which only the
+    skipped guards tell apart), stepped in turns, each give the tokens of a plain engine on their own model."""
+    model, tok = load_zoo("gdn-tiny")
+    config = read_config(ZOO_DIR / "gdn-tiny")
+    other = build_model({**config, "intermediate_size": 2 * config["intermediate_size"]}).eval()
+    with torch.no_grad():  # the trained weights, each MLP's tiled twice over: twice its output
+        for (_, mine), theirs in zip(other.named_parameters(), model.parameters(), strict=True):
+            tiled = [2 if a != b else 1 for a, b in zip(mine.shape, theirs.shape)]
+            mine.copy_(theirs.repeat(*tiled))
+    prompts = _prompts(tok, 2, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cfg = EngineConfig(max_running=2, enable_cache=False)
+    want = [Engine(m, tok, cfg).generate(prompts, params) for m in (model, other)]
+    assert [o[0].output_ids for o in want[0]] != [o[0].output_ids for o in want[1]]
+    engines = [Engine(m, tok, replace(cfg, compile_decode=True)) for m in (model, other)]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(2):
+            for engine, expected in zip(engines, want):
+                got = engine.generate(prompts, params)
+                assert [o[0].output_ids for o in got] == [o[0].output_ids for o in expected]
+
+
 def test_compile_failure_names_the_setting(monkeypatch):
     """A machine where Inductor cannot build its kernels (no C++ compiler) fails at engine start, saying which
     setting to turn off."""

@@ -17,6 +17,12 @@ its elementwise ops into a few generated kernels around the matmuls (C++ on the 
 the compiled step is then captured like the eager one). The history length stays symbolic, so there is one
 compiled step per batch bucket; all of them are compiled when the worker starts, not in the middle of a
 step. The compiled step bakes in the stacked projection weights (`stacked_linear`) of an eager warm-up step.
+Before each call Dynamo checks the guards of the compiled code, by default a few hundred tensor checks on the
+model's parameters, which a small model's CPU step notices. An engine's model and its parameters
+stay the same objects for the engine's life, so the steps skip the guards on the model's modules and keep
+those on the inputs (which pick the bucket) and on the KV and state storage. Each engine compiles its own copy
+of the step function (Dynamo keeps compiled code per code object), so no engine can run code compiled for
+another engine's model.
 
     int64 input buffers of a (b, s) bucket:
     head [4, b]:    ids | positions | state slots | KV write slots
@@ -25,6 +31,8 @@ step. The compiled step bakes in the stacked projection weights (`stacked_linear
 
 from __future__ import annotations
 
+import inspect
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +83,13 @@ def decode_step(model: HybridForCausalLM, kv: KVStorage, states: StateStorage, i
     return logits
 
 
+def _own_copy(fn):
+    """The undecorated fn with a code object of its own: compiled code that skips the guards on one engine's
+    model must be found only by that engine's calls."""
+    fn = inspect.unwrap(fn)
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, kv: KVStorage, states: StateStorage, scratch_state: int,
                  scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False) -> None:
@@ -92,9 +107,10 @@ class DecodeGraphs:
         self.step = decode_step
         self.compiled = compiled
         if compiled:
-            # one cache entry per batch bucket and model (tests build several models in one process)
+            # one cache entry per batch bucket: more than the default 8 from max_running 256 up
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.step = torch.compile(decode_step, dynamic=False)
+            self.step = torch.compile(_own_copy(decode_step), dynamic=False,
+                                      options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             try:
                 self._compile_buckets(bucket(scratch_state))
             except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
