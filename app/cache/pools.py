@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 
 from app.models.batch import LinearStates, host_to_device
@@ -63,14 +64,16 @@ class KVStorage:
 
 
 def padded_rows(rows: list[list[torch.Tensor]], width: int, fill: int) -> torch.Tensor:
-    """[len(rows), width] int64 on the host: row i holds its tensors end to end, then `fill`. A fixed number of
-    ops however many rows (a decode step builds one such table per step)."""
-    lens = torch.tensor([sum(t.numel() for t in parts) for parts in rows], dtype=torch.long, device="cpu")
-    values = torch.cat([torch.zeros(0, dtype=torch.long, device="cpu")] + [t for parts in rows for t in parts])
-    out = torch.full((len(rows), width), fill, dtype=torch.long, device="cpu")
-    shift = torch.arange(len(rows), device="cpu") * width - (torch.cumsum(lens, 0) - lens)  # row start - value start
-    out.view(-1)[torch.repeat_interleave(shift, lens) + torch.arange(values.numel(), device="cpu")] = values
-    return out
+    """[len(rows), width] int64 on the host: row i holds its (host) tensors end to end, then `fill`. Built in
+    numpy, one slice copy per tensor: a decode step builds one such table per step, and torch ops on this many
+    tiny tensors cost more in dispatch than in copying."""
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    for row, parts in zip(out, rows):
+        at = 0
+        for t in parts:
+            row[at : at + t.numel()] = t.numpy()
+            at += t.numel()
+    return torch.from_numpy(out)
 
 
 class PagedKV:
