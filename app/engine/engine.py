@@ -210,7 +210,7 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason, store=True)
         return RequestOutput(seq.request_id, seq.index, [token], delta, seq.text, reason is not None, reason,
-                             seq.prompt_len, seq.cached_len, list(seq.output_ids),
+                             seq.prompt_len, seq.cached_len, list(seq.output_ids) if reason else [],
                              seq.first_token_time - seq.arrival)
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:

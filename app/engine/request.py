@@ -134,7 +134,9 @@ class Sequence:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What the engine reports for a sequence after a step: the new tokens and text, and at the end why."""
+    """What the engine reports for a sequence after a step: the new tokens and text, and at the end why.
+    `output_ids` (every output token) is filled in the final output only: copied with every token, it would
+    cost O(n) per token, O(n^2) per output. `text` is the text so far (a string the engine keeps anyway)."""
 
     request_id: str
     index: int
@@ -151,8 +153,9 @@ class RequestOutput:
 
     def wire(self) -> dict:
         """The fields to send over a process boundary (a Serve stream). A chunk before the last carries its
-        deltas only, with `text` and `output_ids` empty: those grow with the output, and sending them with every
-        token would make a stream of n tokens carry O(n^2) data. The last chunk carries them in full."""
+        deltas only, with `text` empty too (and `output_ids`, empty in such an output anyway): sending what
+        grows with the output in every chunk would make a stream of n tokens carry O(n^2) data. The last chunk
+        carries them in full."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if not self.finished:
             out["text"], out["output_ids"] = "", []
