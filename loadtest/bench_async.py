@@ -1,10 +1,16 @@
 """Step-thread benchmark: `python -m loadtest.bench_async [--threads 2] [--repeats 5] [--out docs/benchmarks.md]`.
 
-Serves the same concurrent requests through `AsyncEngine` with the engine built two ways: in the main
-thread and handed over (how replicas built it before), or built by the step thread from a factory (how
-they build it now). Each run is a fresh process, since what differs is which thread of the process ran
-torch's first OpenMP-parallel op; the two forms alternate, and each run times several rounds after a
-warm-up round.
+Serves the same concurrent requests through `AsyncEngine` with the engine built three ways: in the main
+thread and handed over (how replicas built it before); built by the step thread from a factory (how they
+build it now); and in the main thread with torch limited to one thread while building (the check of the
+cause: the main thread then never starts OpenMP worker threads). Each run is a fresh process, since what
+differs is which threads of the process started OpenMP teams; the forms alternate, and each run times
+several rounds after a warm-up round.
+
+The cause (GNU OpenMP, which torch's CPU wheels use): each thread that starts a parallel region gets its own
+pool of worker threads, and libgomp counts all of them. Once the count exceeds the CPUs (the main thread's
+idle workers plus the step thread's team), every team waits for work with a short "throttled" spin and then
+sleeps, so each of the step thread's parallel ops pays for waking its workers.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from loadtest.common import append_section, header, median, save, table, timed
 
-FORMS = ("main thread", "step thread")
+FORMS = ("main thread", "step thread", "main thread, 1 thread")
 
 
 def _one_run(model: str, form: str, requests: int, tokens: int, rounds: int, threads: int) -> list[float]:
@@ -36,7 +42,12 @@ def _one_run(model: str, form: str, requests: int, tokens: int, rounds: int, thr
     model_dir = resolve_model_dir(model)
     tok = Tokenizer.from_dir(model_dir)
     make = lambda: Engine(load_model(model_dir), tok, EngineConfig(max_running=requests, enable_cache=False))  # noqa: E731
-    engine = AsyncEngine(make if form == "step thread" else make())
+    if form == "main thread, 1 thread":  # the main thread starts no OpenMP workers
+        torch.set_num_threads(1)
+        engine = AsyncEngine(make())
+        torch.set_num_threads(threads)  # what the step thread's first parallel op takes
+    else:
+        engine = AsyncEngine(make if form == "step thread" else make())
     source = corpus_ids(tok, 64 * requests)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 

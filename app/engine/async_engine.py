@@ -6,8 +6,10 @@ short-held queue, so the event loop never waits for a model step. An exception i
 to every open request, so nothing hangs.
 
 Given a factory instead of an engine, the loop thread builds the engine itself, and every parallel torch op
-then runs in that thread. With more than one torch thread, ops in a thread other than the one that ran the
-process's first OpenMP-parallel op ran slower on a 2-core machine (loadtest/bench_async.py, docs/serving.md).
+then runs in that thread. GNU OpenMP gives each thread that starts a parallel region its own worker pool; once
+the pools hold more threads than there are CPUs, every team sleeps between regions, and each parallel op pays
+for waking its workers. An engine built in the main thread (which then keeps idle workers) and stepped here ran
+1.8x slower on a 2-core machine (loadtest/bench_async.py, docs/serving.md).
 """
 
 from __future__ import annotations
