@@ -154,8 +154,8 @@ def _stream(eng: Engine, prompt: list[int], params: SamplingParams) -> tuple[str
 
 
 def test_text_stop_strings_and_stop_ids(zoo):
-    """Streamed deltas add up to the final text; the final text is the decoded output; a stop string cuts the
-    text before its first occurrence; a stop id ends generation with its own text left out."""
+    """Streamed deltas add up to the final text and tokens; the final text is the decoded output; a stop string
+    cuts the text before its first occurrence; a stop id ends generation with its own text left out."""
     model, tok = zoo
     prompt = tok.encode("def parse(text):\n    tokens = text.split()\n")
     free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -163,6 +163,8 @@ def test_text_stop_strings_and_stop_ids(zoo):
     final = outs[-1]
     assert streamed == final.text == tok.decode(final.output_ids)
     assert final.finish_reason == "length" and len(final.output_ids) == 40
+    assert [t for o in outs for t in o.new_token_ids] == final.output_ids
+    assert all(o.output_ids == [] for o in outs[:-1])  # the full list only at the end: no O(n) copy per token
     text = final.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text.find(stop)
