@@ -22,7 +22,9 @@ model's parameters, which a small model's CPU step notices. An engine's model an
 stay the same objects for the engine's life, so the steps skip the guards on the model's modules and keep
 those on the inputs (which pick the bucket) and on the KV and state storage. Each engine compiles its own copy
 of the step function (Dynamo keeps compiled code per code object), so no engine can run code compiled for
-another engine's model.
+another engine's model. Where steps are not captured (the CPU), the generated code calls its kernels from a
+C++ wrapper (Inductor's `cpp_wrapper`) rather than Python: a step's few hundred buffer allocations, views and
+kernel calls would otherwise run as Python on every step. A captured step runs no wrapper at all.
 
     int64 input buffers of a (b, s) bucket:
     head [4, b]:    ids | positions | state slots | KV write slots
@@ -110,8 +112,10 @@ class DecodeGraphs:
         if compiled:
             # one cache entry per batch bucket: more than the default 8 from max_running 256 up
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.step = torch.compile(_own_copy(decode_step), dynamic=False,
-                                      options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            if not self.capture:  # uncaptured steps call the generated code each time: a C++ wrapper, not Python
+                options["cpp_wrapper"] = True
+            self.step = torch.compile(_own_copy(decode_step), dynamic=False, options=options)
             try:
                 self._compile_buckets(bucket(scratch_state))
             except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
