@@ -65,7 +65,7 @@ class KVStorage:
 
 def padded_rows(rows: list[list[torch.Tensor]], width: int, fill: int) -> torch.Tensor:
     """[len(rows), width] int64 on the host: row i holds its (host) tensors end to end, then `fill`. Built in
-    numpy, one slice copy per tensor: a decode step builds one such table per step, and torch ops on this many
+    numpy, one slice copy per tensor: a step of several pieces builds one such table, and torch ops on this many
     tiny tensors cost more in dispatch than in copying."""
     out = np.full((len(rows), width), fill, dtype=np.int64)
     for row, parts in zip(out, rows):
