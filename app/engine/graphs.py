@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from app.cache.pools import KVStorage, PagedKV, StateStorage
+from app.cache.pools import KVStorage, PagedKV, StateStorage, padded_rows
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
 from app.models.layers import Experts
@@ -151,17 +151,15 @@ class DecodeGraphs:
         return out[:n]
 
     def _host_inputs(self, batch: StepBatch, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's head [4, b] and KV read table [b, s], built on the host in numpy (a few slice copies per
-        row; torch ops on this many tiny tensors cost more in dispatch than in copying)."""
+        """The step's head [4, b] and KV read table [b, s], built on the host in numpy (torch ops on this many tiny
+        tensors cost more in dispatch than in copying)."""
         n = len(batch.extend_lens)
         head = np.empty((4, b), dtype=np.int64)
         head[:, n:] = np.array([0, 0, self.scratch_state, self.scratch_kv])[:, None]
         head[0, :n], head[1, :n], head[2, :n] = batch.token_ids, batch.cached_lens, batch.state_slots
-        kv_read = np.full((b, s), self.scratch_kv, dtype=np.int64)
-        for i, (row, history, new) in enumerate(zip(kv_read, batch.history, batch.new_slots)):
-            row[: history.numel()] = history.numpy()
-            row[history.numel()] = head[3, i] = int(new)
-        return torch.from_numpy(head), torch.from_numpy(kv_read)
+        head[3, :n] = [int(w) for w in batch.new_slots]
+        rows = [[h, w] for h, w in zip(batch.history, batch.new_slots)] + [[]] * (b - n)
+        return torch.from_numpy(head), padded_rows(rows, s, self.scratch_kv)
 
     @torch.no_grad()  # as in worker.run: grad mode is part of what a compiled step was compiled for
     def _compile_buckets(self, largest: int) -> None:
