@@ -191,9 +191,9 @@ def bench_decode(model, tok, ref, batches, repeats, new_tokens=64, prompt_len=64
             hf_full = hf_generate_time(ref, prompts, new_tokens, place, sampled)
             theirs.append(b * (new_tokens - 1) / (hf_full - hf_first))
         # ratios: the median of each repeat's own ratio, so a slow spell of the machine hits both sides of it
-        row = {"batch": b, "ours_tok_s": median(ours), "hf_tok_s": median(theirs),
-               "speedup": median([o / t for o, t in zip(ours, theirs)]),
-               "repeat_ratios": [o / t for o, t in zip(ours, theirs)]}
+        ratios = [o / t for o, t in zip(ours, theirs)]
+        row = {"batch": b, "ours_tok_s": median(ours), "hf_tok_s": median(theirs), "speedup": median(ratios),
+               "repeat_ratios": ratios}
         if eager:
             row["eager_tok_s"] = median(eager)
             row["over_eager"] = median([o / e for o, e in zip(ours, eager)])
