@@ -98,7 +98,7 @@ def test_compiled_engines_of_one_process_keep_their_own_models():
             mine.copy_(theirs.repeat(*tiled))
     prompts = _prompts(tok, 2, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    cfg = EngineConfig(max_running=2, enable_cache=False)
+    cfg = EngineConfig(max_running=1, enable_cache=False)  # one batch bucket: a compile per engine
     want = [Engine(m, tok, cfg).generate(prompts, params) for m in (model, other)]
     assert [o[0].output_ids for o in want[0]] != [o[0].output_ids for o in want[1]]
     engines = [Engine(m, tok, replace(cfg, compile_decode=True)) for m in (model, other)]

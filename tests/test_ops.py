@@ -95,13 +95,19 @@ CHUNK_CASES = [
 @pytest.mark.parametrize("op", ["gdn", "kda"])
 @pytest.mark.parametrize("decay", list(DECAYS))
 @pytest.mark.parametrize("B, H, K, V", [(1, 2, 16, 16), (16, 4, 32, 32), (3, 2, 64, 32)], ids=lambda x: str(x))
-def test_decode_step_matches_naive(op, decay, B, H, K, V):
-    """Six successive `gated_delta_step`s from a random state equal the naive loop over the same 6 tokens."""
+@pytest.mark.parametrize("form", ["eager", "traced"])
+def test_decode_step_matches_naive(op, decay, B, H, K, V, form):
+    """Six successive `gated_delta_step`s from a random state equal the naive loop over the same 6 tokens;
+    `traced`: the form a compiled decode step traces (broadcasts and sums), run by Dynamo's eager backend."""
     q, k, v, g, beta, S0 = make_inputs(op, B, 6, H, K, V, decay, init=True)
     o_ref, S_ref = NAIVE[op](q, k, v, g, beta, initial_state=S0)
+    step = gated_delta_step
+    if form == "traced":
+        torch._dynamo.reset()
+        step = torch.compile(gated_delta_step, backend="eager", fullgraph=True)
     S, outs = S0, []
     for t in range(6):
-        o, S = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        o, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
         outs.append(o)
     assert_close("o", o_ref, torch.stack(outs, dim=1), 1e-6)
     assert_close("state", S_ref, S, 1e-6)

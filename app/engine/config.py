@@ -36,7 +36,8 @@ class EngineConfig:
         routed experts). On the CPU the same padded step runs eagerly: it is the tested twin, not faster.
     compile_decode: run pure decode steps through `torch.compile` (Inductor), one compiled step per batch
         bucket, compiled when the worker starts (same conditions as decode_graphs). On the CPU the step's few
-        hundred dispatched ops become a few fused C++ kernels plus the matmuls; it needs a C++ compiler.
+        hundred dispatched ops become a few fused C++ kernels and C++ GEMM kernels on frozen, pre-packed
+        weights (each bucket holds its own copy); it needs a C++ compiler.
     checkpoint_min_gap: a branch-point, generation-end or decode-interval checkpoint is skipped when the
         sequence already has a checkpoint fewer than this many tokens before it (a hit just above a branch
         point, a short answer, an interval position just after the prompt end): it would nearly duplicate

@@ -26,6 +26,16 @@ another engine's model. Where steps are not captured (the CPU), the generated co
 C++ wrapper (Inductor's `cpp_wrapper`) rather than Python: a step's few hundred buffer allocations, views and
 kernel calls would otherwise run as Python on every step. A captured step runs no wrapper at all.
 
+On the CPU the compiled step also freezes the weights and runs its matmuls as Inductor's C++ GEMM kernels
+(`_cpu_gemm_settings`). At decode batch sizes (16 rows against a 128 x 768 weight) a matmul's cost is
+reading its weight, and the MKL build torch ships takes its generic code path on AMD CPUs, where it copies the
+weight into panels on every call and that copy costs more than the multiply. Frozen, each weight is packed
+once into the blocks of a C++ micro-kernel generated for the machine's vector width, and the step's
+neighbouring elementwise ops fuse around it. Such a kernel is chosen without timing candidates (timing
+each is a C++ build per matmul shape and bucket); where a matmul has no C++ kernel (a product of two
+activations), ATen's stays. Costs: frozen graphs skip Inductor's graph cache, so every start compiles
+from scratch, and each batch bucket holds its own packed copy of the weights.
+
     int64 input buffers of a (b, s) bucket:
     head [4, b]:    ids | positions | state slots | KV write slots
     kv_read [b, s]: each row's KV slots, padded with the scratch slot
@@ -33,6 +43,7 @@ kernel calls would otherwise run as Python on every step. A captured step runs n
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from typing import TYPE_CHECKING
@@ -93,6 +104,40 @@ def _own_copy(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+_PREFER_CPP_GEMM = False  # set while a CPU decode step compiles (`_cpu_gemm_settings`)
+
+
+def _prefer_cpp_gemm(choices: list) -> list:
+    """Inductor's choices for one matmul, minus ATen's where a C++ GEMM kernel is among them (so nothing is
+    timed: one choice left). Registered once per process; a no-op outside `_cpu_gemm_settings`."""
+    if not _PREFER_CPP_GEMM:
+        return choices
+    from torch._inductor.select_algorithm import ExternKernelCaller
+
+    cpp = [c for c in choices if not isinstance(c, ExternKernelCaller)]  # ATen's are extern, C++ templates not
+    return cpp or choices
+
+
+@contextlib.contextmanager
+def _cpu_gemm_settings(on: bool):
+    """While decode steps compile on the CPU: weights frozen into the graph (Dynamo reads the flag when it
+    traces, so it is set here, not in the compile options) and C++ GEMM kernels preferred."""
+    global _PREFER_CPP_GEMM
+    if not on:
+        yield
+        return
+    from torch._inductor import select_algorithm
+
+    if _prefer_cpp_gemm not in select_algorithm.get_algorithm_selector_cache().preprocessing_fns:
+        select_algorithm.add_preprocessing_fn(_prefer_cpp_gemm)
+    _PREFER_CPP_GEMM = True
+    try:
+        with torch._inductor.config.patch(freezing=True):
+            yield
+    finally:
+        _PREFER_CPP_GEMM = False
+
+
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, kv: KVStorage, states: StateStorage, scratch_state: int,
                  scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False) -> None:
@@ -115,9 +160,14 @@ class DecodeGraphs:
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             if not self.capture:  # uncaptured steps call the generated code each time: a C++ wrapper, not Python
                 options["cpp_wrapper"] = True
-            self.step = torch.compile(_own_copy(decode_step), dynamic=False, options=options)
+            cpu = device.type == "cpu"
+            if cpu:
+                options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN")
+            # fullgraph: a graph break would leave part of the step to run eagerly, the gains gone silently
+            self.step = torch.compile(_own_copy(decode_step), dynamic=False, fullgraph=True, options=options)
             try:
-                self._compile_buckets(bucket(scratch_state))
+                with _cpu_gemm_settings(cpu):
+                    self._compile_buckets(bucket(scratch_state))
             except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
                 raise RuntimeError(f"compile_decode: torch.compile failed on the decode step ({type(e).__name__}: "
                                    f"{e}). On the CPU it needs a C++ compiler (g++); or set compile_decode to "

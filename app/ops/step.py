@@ -8,6 +8,9 @@ without the time axis and fold the naive loop body into batched matmuls:
     d = beta * (v - k S)            k S: [B*H, 1, K] @ [B*H, K, V]
     S = S + k^T d                   one baddbmm: [B*H, K, 1] @ [B*H, 1, V]
     o = (scale * q) S
+
+Traced by `torch.compile` (a compiled decode step) the same lines are written as broadcasts and sums over S,
+which Inductor fuses into one loop over the state instead of calling a matmul per line.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ def gated_delta_step(
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     decay = g.exp().unsqueeze(-1) if g.dim() == 3 else g.exp()[..., None, None]
+    if torch.compiler.is_compiling():  # as broadcasts and sums, which Inductor fuses into one loop over S
+        S = state * decay
+        delta = (v - (k[..., None] * S).sum(-2)) * beta[..., None]
+        S = S + k[..., None] * delta[..., None, :]
+        return ((q * scale)[..., None] * S).sum(-2), S
     S = (state * decay).view(B * H, K, V)
     k_col = k.reshape(B * H, K, 1)
     delta = (v.reshape(B * H, 1, V) - k_col.transpose(1, 2) @ S) * beta.reshape(B * H, 1, 1)
