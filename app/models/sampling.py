@@ -3,9 +3,10 @@
 A step samples every request with temperature > 0 on the host, one logits row of V entries each, and the
 target models have V = 152k (Qwen3-Next) or 164k (Kimi-Linear). The obvious form, a full sort for top-p and
 `torch.multinomial`, takes milliseconds per row at that size (docs/benchmarks.md, "Sampling"), so a step of
-many sampled requests would wait on it. Here no part touches all V entries more than a few times: top-p sorts
-only the top candidates (`topk` of 256, 1024, 4096, each row until they hold top_p of its mass, which the
-first try usually does; a full sort after that), and the draw is one uniform number through the cumulative distribution
+many sampled requests would wait on it. Here no part sorts more than a few hundred entries of a row: top-p
+first takes the row's top 256 candidates (`topk`), which hold top_p of the mass of a peaked distribution, and a
+flatter row (a nucleus of thousands) finds its set by a radix select on the mass, a few passes over V entries
+(`_radix_nucleus`). The draw is one uniform number through the cumulative distribution
 (inverse transform). A step's sampled rows go through each op together (`sample_rows`).
 `naive_token_probs` is the full-sort reference the tests and loadtest/bench_sampling.py compare with.
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-CANDIDATES = (256, 1024, 4096)  # topk sizes a row tries before a full sort
+CANDIDATES = 256  # the topk a row tries first, before the radix select
+RADIX, SPAN, LEVELS, SORTED = 64, 32.0, 4, 512  # radix select: buckets, first span (nats), levels, sort at most
 
 
 def sample_token(
@@ -46,8 +48,10 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_p: list[floa
             out[i] = t
     rest = [i for i, p in enumerate(top_p) if p < 1.0]
     if rest:
-        values, ids = nucleus(_rows(probs, rest), torch.tensor([top_p[i] for i in rest], device=probs.device))
-        for i, t in zip(rest, ids.gather(1, _draw(values, _rows(u, rest))[:, None])[:, 0].tolist()):
+        weights, ids = nucleus(_rows(probs, rest), torch.tensor([top_p[i] for i in rest], device=probs.device),
+                               _rows(x, rest))
+        picked = _draw(weights, _rows(u, rest))
+        for i, t in zip(rest, (picked if ids is None else ids.gather(1, picked[:, None])[:, 0]).tolist()):
             out[i] = t
     return out
 
@@ -57,36 +61,86 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if len(rows) == t.shape[0] else t[rows]
 
 
-def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor,
+            logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of probs [n, V], the smallest set of most likely tokens whose mass reaches top_p[row] (the
-    token that crosses it included): (probabilities [n, w], descending, zero past each row's set; their ids).
-    Each row tries the top 256, 1024, 4096 candidates, then sorts all, and stops at the first try that holds
-    its set: a peaked distribution costs one small topk, a flat one (a large nucleus) about one full sort."""
+    token that crosses it included): (weights [n, w], zero outside each row's set; their ids [n, w], or None
+    when w = V and the ids are the vocabulary in order). Every row first tries its top 256 candidates
+    (`topk`), which hold the set of a peaked distribution; if any row's set is larger, every row comes back as
+    weights over the whole vocabulary, the larger sets found by `_radix_nucleus`. logits: the rows' logits
+    (or log probabilities: any shift per row), which spares it taking the log of probs."""
     n, vocab = probs.shape
-    found: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows, values, ids) per try
-    todo = list(range(n))
-    for k in [k for k in CANDIDATES if k < vocab] + [vocab]:
-        sub, p = _rows(probs, todo), _rows(top_p, todo)
-        values, ids = sub.topk(k, dim=-1) if k < vocab else sub.sort(dim=-1, descending=True)
-        before = values.cumsum(-1) - values  # mass of the tokens ranked above each one
-        done = (before[:, -1] >= p) if k < vocab else torch.ones(len(todo), dtype=torch.bool, device=p.device)
-        rows = [r for r, d in zip(todo, done.tolist()) if d]
-        if rows:
-            sel = done.nonzero()[:, 0] if len(rows) < len(todo) else slice(None)
-            found.append((rows, (values * (before < p[:, None]))[sel], ids[sel]))
-        todo = [r for r, d in zip(todo, done.tolist()) if not d]
-        if not todo:
+    values, ids = probs.topk(min(CANDIDATES, vocab), dim=-1)
+    before = values.cumsum(-1) - values  # mass of the tokens ranked above each one
+    taken = before < top_p[:, None]
+    done = before[:, -1] >= top_p
+    if CANDIDATES >= vocab or bool(done.all()):
+        return values * taken, ids
+    rest = [r for r, d in enumerate(done.tolist()) if not d]
+    logp = _rows(probs, rest).log() if logits is None else _rows(logits, rest)
+    found = _radix_nucleus(_rows(probs, rest), logp, _rows(top_p, rest))
+    if len(rest) == n:
+        return probs * found, None
+    keep = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(1, ids, taken & done[:, None])
+    keep[rest] = found
+    return probs * keep, None
+
+
+def _radix_nucleus(probs: torch.Tensor, logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool [n, V]: each row's nucleus, found without sorting the row (a radix select on the mass). logp: the
+    rows' log probabilities, or any per-row shift of them (the logits).
+
+    A level splits a row's undecided tokens into RADIX buckets of equal width in log probability (the first
+    level spans SPAN nats below the row's most likely token; rarer tokens join its last bucket) and sums each
+    bucket's mass (one scatter_add). The bucket in which the running mass from the top crosses what is still
+    needed stays undecided: the buckets above it are in, those below out. Its tokens are gathered into a
+    narrow tensor, which the next level splits. Once at most SORTED tokens of a row are undecided (or after
+    LEVELS levels: ties cannot be split) they are sorted, as the reference does, and cut where the mass
+    crosses. Only the first level passes over all V entries, so a flat distribution (a nucleus of thousands)
+    costs a few passes over the row. Masses are summed in float64, as torch's cumsum accumulates, so the set
+    is the full sort's but where a token's mass ranked above lies within rounding of top_p."""
+    n, vocab = probs.shape
+    keep = None  # the tokens decided in, [n, V + 1]: padding's id is V
+    need = top_p.double()  # mass still to take from the undecided tokens (float64, as cumsum sums)
+    hi = logp.amax(-1, keepdim=True)
+    scale = torch.full_like(hi, RADIX / SPAN)
+    p, ids = probs, None  # the undecided tokens (zero-padded) and their ids; None: all of the row
+    for _ in range(LEVELS):
+        if p.shape[-1] <= SORTED:
             break
-    if len(found) == 1 and found[0][0] == list(range(n)):
-        return found[0][1], found[0][2]
-    width = max(v.shape[-1] for _, v, _ in found)
-    out_v = probs.new_zeros(n, width)
-    out_i = torch.zeros(n, width, dtype=torch.long, device=probs.device)
-    for rows, v, i in found:
-        index = torch.tensor(rows, device=probs.device)
-        out_v[index, : v.shape[-1]] = v
-        out_i[index, : i.shape[-1]] = i
-    return out_v, out_i
+        # bucket 0 holds the most likely tokens; clamping keeps the order where rounding strays past an edge
+        bucket = torch.sub(hi, logp).mul_(scale).clamp_(0, RADIX - 1).long()
+        mass = need.new_zeros(n, RADIX).scatter_add_(1, bucket, p.double()).cumsum(-1)
+        cross = torch.searchsorted(mass, need[:, None]).clamp_(max=RADIX - 1)  # [n, 1]
+        need = need - torch.where(cross > 0, mass.gather(1, (cross - 1).clamp(min=0)), 0.0)[:, 0]
+        above = bucket < cross  # not the tokens of zero probability or padding: they are in the last bucket
+        if ids is None:
+            keep = torch.cat([above, above.new_zeros(n, 1)], 1)
+        else:
+            keep.scatter_(1, ids, above)  # still undecided, so not in keep before
+        p, ids, logp = _gather(bucket == cross, p, ids, logp, vocab)
+        hi, scale = hi - cross / scale, scale * RADIX
+    values, order = p.sort(dim=-1, descending=True)
+    values = values.double()
+    taken = ((values.cumsum(-1) - values) < need[:, None]) & (values > 0)
+    if ids is None:
+        return torch.zeros_like(taken).scatter_(1, order, taken)
+    return keep.scatter_(1, ids.gather(1, order), taken)[:, :vocab]
+
+
+def _gather(mask: torch.Tensor, p: torch.Tensor, ids: torch.Tensor | None, logp: torch.Tensor, pad_id: int):
+    """The entries of p, ids (None: the column) and logp where mask is set, each row's to the left of a
+    [n, max count] tensor, padded with probability 0, id pad_id and log probability -inf."""
+    n = mask.shape[0]
+    rows, cols = mask.nonzero(as_tuple=True)  # row by row
+    counts = torch.bincount(rows, minlength=n)
+    slot = torch.arange(rows.numel(), device=mask.device) - (counts.cumsum(0) - counts)[rows]
+    width = int(counts.max())
+    out_p = p.new_zeros(n, width).index_put_((rows, slot), p[rows, cols])
+    out_ids = torch.full((n, width), pad_id, dtype=torch.long, device=mask.device)
+    out_ids.index_put_((rows, slot), cols if ids is None else ids[rows, cols])
+    out_logp = logp.new_full((n, width), float("-inf")).index_put_((rows, slot), logp[rows, cols])
+    return out_p, out_ids, out_logp
 
 
 def _top_k(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
