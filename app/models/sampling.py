@@ -4,7 +4,7 @@ A step samples every request with temperature > 0 on the host, one logits row of
 target models have V = 152k (Qwen3-Next) or 164k (Kimi-Linear). The obvious form, a full sort for top-p and
 `torch.multinomial`, takes milliseconds per row at that size (docs/benchmarks.md, "Sampling"), so a step of
 many sampled requests would wait on it. Here no part sorts more than a few hundred entries of a row: top-p
-first takes the row's top 256 candidates (`topk`), which hold top_p of the mass of a peaked distribution, and a
+first takes the row's top 64-256 candidates (`topk`), which hold top_p of the mass of a peaked distribution, and a
 flatter row (a nucleus of thousands) finds its set by a radix select on the mass, a few passes over V entries
 (`_radix_nucleus`). The draw is one uniform number through the cumulative distribution
 (inverse transform). A step's sampled rows go through each op together (`sample_rows`).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-CANDIDATES = 256  # the topk a row tries first, before the radix select
+CANDIDATES = (64, 256)  # the first topk's width: vocabulary / 64, within these bounds
 RADIX, SPAN, LEVELS, SORTED = 64, 32.0, 4, 512  # radix select: buckets, first span (nats), levels, sort at most
 
 
@@ -65,16 +65,18 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor,
             logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of probs [n, V], the smallest set of most likely tokens whose mass reaches top_p[row] (the
     token that crosses it included): (weights [n, w], zero outside each row's set; their ids [n, w], or None
-    when w = V and the ids are the vocabulary in order). Every row first tries its top 256 candidates
-    (`topk`), which hold the set of a peaked distribution; if any row's set is larger, every row comes back as
-    weights over the whole vocabulary, the larger sets found by `_radix_nucleus`. logits: the rows' logits
-    (or log probabilities: any shift per row), which spares it taking the log of probs."""
+    when w = V and the ids are the vocabulary in order). Every row first tries its top V / 64 candidates (64
+    to 256: a topk's cost grows with its width, and a larger vocabulary makes the radix select dearer), which
+    hold the set of a peaked distribution; if any row's set is larger, every row comes back as weights over
+    the whole vocabulary, the larger sets found by `_radix_nucleus`. logits: the rows' logits (or log
+    probabilities: any shift per row), which spares it taking the log of probs."""
     n, vocab = probs.shape
-    values, ids = probs.topk(min(CANDIDATES, vocab), dim=-1)
+    width = min(max(vocab // 64, CANDIDATES[0]), CANDIDATES[1], vocab)
+    values, ids = probs.topk(width, dim=-1)
     before = values.cumsum(-1) - values  # mass of the tokens ranked above each one
     taken = before < top_p[:, None]
     done = before[:, -1] >= top_p
-    if CANDIDATES >= vocab or bool(done.all()):
+    if width == vocab or bool(done.all()):
         return values * taken, ids
     rest = [r for r, d in enumerate(done.tolist()) if not d]
     logp = _rows(probs, rest).log() if logits is None else _rows(logits, rest)
