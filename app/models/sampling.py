@@ -79,8 +79,8 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor,
     if width == vocab or bool(done.all()):
         return values * taken, ids
     rest = [r for r, d in enumerate(done.tolist()) if not d]
-    logp = _rows(probs, rest).log() if logits is None else _rows(logits, rest)
-    found = _radix_nucleus(_rows(probs, rest), logp, _rows(top_p, rest))
+    sub = _rows(probs, rest)
+    found = _radix_nucleus(sub, sub.log() if logits is None else _rows(logits, rest), _rows(top_p, rest))
     if len(rest) == n:
         return probs * found, None
     keep = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(1, ids, taken & done[:, None])
