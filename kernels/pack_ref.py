@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from app.dasc.quant import dequantize_rows, quantize_rows
+from kernels.quant import dequantize_rows, quantize_rows
 
 
 def pack_rows(src: torch.Tensor, rows: torch.Tensor, quant: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,6 +1,6 @@
 """Triton checkpoint pack/unpack with the INT8 rule fused in: the fast twin of `kernels/pack_ref.py`.
 
-Same signatures and contract as the reference (rows of length D = d_v, see `app/dasc/quant.py`):
+Same signatures and contract as the reference (rows of length D = d_v, see `kernels/quant.py`):
     pack:   values[i] = src[rows[i]]  (fp32), or  s_i = max(max_d |src[rows[i], d]|, 1e-8) / 127,
             values[i] = clip(round(src[rows[i]] / s_i), -127, 127) as int8, scales[i] = s_i
     unpack: dst = zeros(n_rows, D); dst[rows[i]] = values[i] (times scales[i] when scales are given)
@@ -28,7 +28,7 @@ Exactness versus the reference:
 
 Preconditions (unchecked, to stay sync-free on CUDA): rows in [0, R) (pack) or [0, n_rows) (unpack), and
 unique for unpack. Wrappers run compiled on CUDA tensors, and on CPU tensors in a process that set
-TRITON_INTERPRET=1 before importing triton.language and keeps it set (see tests/test_kernels.py).
+TRITON_INTERPRET=1 before importing triton.language and keeps it set (see tests/kernels/test_pack.py).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 # Globals read inside @triton.jit code must be constexpr.
-QMAX = tl.constexpr(127.0)  # app.dasc.quant.QMAX
-EPS = tl.constexpr(1e-8)  # app.dasc.quant.EPS
+QMAX = tl.constexpr(127.0)  # kernels.quant.QMAX
+EPS = tl.constexpr(1e-8)  # kernels.quant.EPS
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it keeps no fraction bits for fp32 |x| < 2^22
 
 # Elements per program: small tiles on a GPU; large ones in the interpreter, whose cost is per program.

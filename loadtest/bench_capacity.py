@@ -29,7 +29,7 @@ from app.cache.checkpoint import DenseCodec
 from app.dasc.codec import DascCodec
 from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.layout import slots_for_budget
-from app.dasc.plan import make_plan
+from app.dasc.selection import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine

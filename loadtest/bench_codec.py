@@ -9,7 +9,7 @@ codec (the baseline, measured in the same run) and the dasc codec at a few W_max
 dasc codec packs with the Triton kernels; the `torch` rows run the same codec through the torch reference
 ops (`kernels/pack_ref.py`) on the same device, so the kernels are compared against what they replace.
 The plans come from generated checkpoints with the real key names, shapes and decay ranges
-(`app/dasc/fake_checkpoints.py`); no projection weights are needed for a codec.
+(`loadtest/fake_checkpoints.py`); no projection weights are needed for a codec.
 
 Each figure is the median over --repeats runs of the median of --samples synchronised calls (after warm-up).
 """
@@ -26,9 +26,10 @@ import torch
 
 from app.cache.checkpoint import DenseCodec
 from app.cache.pools import StateStorage
-from app.dasc import fake_checkpoints, plan_tool
+from app.dasc import plan as plan_tool
+from loadtest import fake_checkpoints
 from app.dasc.codec import DascCodec
-from app.dasc.plan import decay_plan
+from app.dasc.selection import decay_plan
 from app.models.batch import LinearStates
 from kernels import pack, pack_ref
 from loadtest.common import append_section, header, save, table

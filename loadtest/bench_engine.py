@@ -36,7 +36,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
 from app.models.batch import BatchLayout, ContiguousKV
-from app.models.corpus import read_source, split_files, stdlib_files
+from app.training.corpus import read_source, split_files, stdlib_files
 from app.models.loader import cast_model, load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.common import append_section, header, median, save, table, timed

@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from app.models.sampling import naive_token_probs, sample_rows
+from app.engine.sampling import naive_token_probs, sample_rows
 from loadtest.common import append_section, header, median, save, table, timed
 
 SETTINGS = [  # (temperature, top_p, top_k)

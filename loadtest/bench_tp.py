@@ -18,7 +18,8 @@ from contextlib import redirect_stdout
 from io import StringIO
 
 from app.cache.checkpoint import DenseCodec
-from app.dasc import fake_checkpoints, plan_tool
+from app.dasc import plan as plan_tool
+from loadtest import fake_checkpoints
 from app.dasc.layout import slots_for_budget
 from app.dasc.placement import traffic_bytes
 from app.engine.config import EngineConfig

@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 } 2>&1 | tee "$OUT_DIR/machine.txt"
-"$PY" -m pytest tests/test_cuda.py tests/test_kernels.py -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/pytest.log"
+"$PY" -m pytest tests/engine/test_cuda.py tests/kernels/test_pack.py -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 "$PY" -m loadtest.bench_codec --out "$OUT_DIR/bench_codec.md" 2>&1 | tee "$OUT_DIR/bench_codec.log"
 cp loadtest/results/bench_codec_*.json "$OUT_DIR/" 2>/dev/null

@@ -2,7 +2,7 @@
 `python -m loadtest.synth_model OUT_DIR [--hidden 2048 --layers 12 ...]`.
 
 Qwen3-Next geometry (every 4th layer full attention, the rest Gated DeltaNet, dense SwiGLU MLPs) scaled by the
-flags, weights from `app.models.init` (normal projections, decay parameters on the family's horizon
+flags, weights from `app.training.init` (normal projections, decay parameters on the family's horizon
 profile), the zoo tokenizer (vocabulary 4096). The files are what `load_model` and transformers'
 `Qwen3NextForCausalLM` both read. Outputs of such a model are meaningless text; timings and cache behaviour
 are what it is for.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from app.models.init import init_decay, init_weights
+from app.training.init import init_decay, init_weights
 from app.models.loader import ZOO_DIR, build_model, read_config, save_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

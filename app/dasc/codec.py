@@ -21,7 +21,7 @@ import torch
 
 from app.cache.checkpoint import CheckpointCodec, FlatLayout
 from app.dasc.layout import slot_bytes
-from app.dasc.plan import SelectionPlan
+from app.dasc.selection import SelectionPlan
 from app.models.batch import LinearStates
 from kernels import pack
 

@@ -28,7 +28,7 @@ def static_horizons(A_log: torch.Tensor, dt_bias: torch.Tensor, a: float = STATI
 
 def model_geometry(model) -> list:
     """UnitGeometry of every linear-attention layer of one of our models (KDA: per channel, GDN: per head)."""
-    from app.dasc.plan import UnitGeometry
+    from app.dasc.selection import UnitGeometry
 
     out = []
     for i in model.linear_layers:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from app.dasc.placement import Placement, plan_placement
-from app.dasc.plan import SelectionPlan
+from app.dasc.selection import SelectionPlan
 
 LAYOUTS = ("ragged", "padded")
 QUANTS = ("none", "int8")

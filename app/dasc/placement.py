@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from app.dasc.plan import SelectionPlan
+from app.dasc.selection import SelectionPlan
 
 MODES = ("off", "storage", "balanced")
 

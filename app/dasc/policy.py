@@ -14,7 +14,7 @@ import math
 import torch
 
 from app.dasc.codec import retained_rows
-from app.dasc.plan import SelectionPlan
+from app.dasc.selection import SelectionPlan
 from app.models.batch import BatchLayout, LinearStates, host_to_device
 
 POLICIES = ("nr", "wr")

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from app.cache.checkpoint import CheckpointCodec
 from app.dasc.placement import Placement, split_sizes
-from app.dasc.plan import SelectionPlan
-from app.dasc.quant import dequantize_rows, quantize_rows
+from app.dasc.selection import SelectionPlan
+from kernels.quant import dequantize_rows, quantize_rows
 from app.models.batch import LinearStates
 
 

@@ -21,8 +21,9 @@ from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.scheduler import Scheduler, Work
-from app.engine.worker import StepBatch, Worker, split_logits
-from app.models.sampling import sample_rows
+from app.engine.step_batch import StepBatch
+from app.engine.worker import Worker, split_logits
+from app.engine.sampling import sample_rows
 from app.engine.telemetry import Telemetry
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -54,10 +53,8 @@ import torch
 from app.cache.pools import KVStorage, PagedKV, StateStorage, padded_rows
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
+from app.engine.step_batch import StepBatch
 from app.models.layers import Experts
-
-if TYPE_CHECKING:
-    from app.engine.worker import StepBatch
 
 MIN_HISTORY = 64
 

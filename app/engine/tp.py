@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.placement import plan_placement
-from app.dasc.plan import make_plan
+from app.dasc.selection import make_plan
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.worker import TPContext, Worker, worker_device

@@ -24,32 +24,15 @@ from app.cache.pools import KVStorage, PagedKV, StateStorage
 from app.dasc.codec import DascCodec
 from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.placement import plan_placement
-from app.dasc.plan import make_plan
+from app.dasc.selection import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
 from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
 from app.engine.graphs import DecodeGraphs
+from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout, host_to_device
 from app.models.hybrid import HybridForCausalLM
 from app.models.loader import cast_model
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """One forward: sequence i feeds token_ids[offsets[i]:offsets[i+1]] at positions cached_lens[i]...,
-    reads KV `history[i]`, writes `new_slots[i]`, carries state slot `state_slots[i]`; logits come back for
-    the sequences listed in `want_logits` (their last token), or only the argmax token for those `greedy`
-    marks. States after `snapshots[i]` tokens of a piece are kept until the next run, for `store_snapshot`."""
-
-    token_ids: list[int]
-    extend_lens: tuple[int, ...]
-    cached_lens: tuple[int, ...]
-    history: list[torch.Tensor]
-    new_slots: list[torch.Tensor]
-    state_slots: list[int]
-    want_logits: list[int]
-    snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets inside its piece to keep states at
-    greedy: tuple[bool, ...] = ()  # per want_logits entry: only its argmax token is needed
 
 
 @dataclass(frozen=True)
