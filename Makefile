@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast gpu-check serve loadtest clean
+.PHONY: install lint test test-fast gpu-check serve loadtest clean
 
 HOST ?= http://127.0.0.1:8000
 LOADTEST_TIME ?= 60s
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# ruff: pyflakes, pycodestyle (line length 120), import order, bugbear; settings in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest tests
 
 test-fast: $(STAMP)

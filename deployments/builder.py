@@ -20,7 +20,8 @@ from deployments.replica import EngineReplica
 ROUTERS = {
     "prefix": "deployments.router.PrefixAwareRouter",
     "pow2": "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter",
-    "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter",
+    "prefix_affinity": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router."
+                       "PrefixCacheAffinityRouter",
 }
 
 

@@ -175,7 +175,8 @@ class Tuner:
             "version": self.version, "window": self.window_index, "enabled": self.enabled,
             "current": asdict(self.current), "current_label": self.current.label,
             "current_rung": rungs.index(self.current) if self.current in rungs else -1,
-            "trial": None if self.trial is None else {"setting": asdict(self.trial.setting), "replica": self.trial.replica},
+            "trial": (None if self.trial is None
+                      else {"setting": asdict(self.trial.setting), "replica": self.trial.replica}),
             "trial_running": self.trial is not None, "decisions": self.decisions[-20:],
             "ladder": [r.label for r in rungs],
         }

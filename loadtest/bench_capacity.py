@@ -29,8 +29,8 @@ from app.cache.checkpoint import DenseCodec
 from app.dasc.codec import DascCodec
 from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.layout import slots_for_budget
-from app.dasc.selection import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
+from app.dasc.selection import make_plan
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
@@ -79,7 +79,8 @@ def run_phase(model, tok, arm, budget_mb, prompts, seed) -> dict:
     return {"slots": engine.cache.checkpoints.num_slots, "bytes_per_slot": engine.codec.bytes_per_slot,
             "hit_rate": sum(o.cached_tokens for o in outs) / prompt_tokens,
             "ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3,
-            "input_tok_s": prompt_tokens / wall, "wr_replay_tokens": after["wr_replay_tokens"] - before["wr_replay_tokens"],
+            "input_tok_s": prompt_tokens / wall,
+            "wr_replay_tokens": after["wr_replay_tokens"] - before["wr_replay_tokens"],
             "wr_replay_s": after["wr_replay_s"] - before["wr_replay_s"]}
 
 
@@ -164,7 +165,8 @@ def main(argv=None) -> None:
     caps = [("dense", slots_for_budget(128 * dense_bytes, dense_bytes))]
     for w in args.w_max:
         plan = make_plan(model_geometry(model), model_horizons(model), w)
-        caps.append((f"W{w}", slots_for_budget(128 * dense_bytes, DascCodec(model.empty_states(1), plan).bytes_per_slot)))
+        per_slot = DascCodec(model.empty_states(1), plan).bytes_per_slot
+        caps.append((f"W{w}", slots_for_budget(128 * dense_bytes, per_slot)))
     phases = [(name, min(math.ceil(n / 0.85), args.max_phase_prompts)) for name, n in caps][: args.phases]
     source = corpus_ids(tok, sum(q for _, q in phases) * args.prompt_len[1] + 192 * args.quality_prompts)
     rng = random.Random(0)

@@ -27,11 +27,11 @@ import torch
 from app.cache.checkpoint import DenseCodec
 from app.cache.pools import StateStorage
 from app.dasc import plan as plan_tool
-from loadtest import fake_checkpoints
 from app.dasc.codec import DascCodec
 from app.dasc.selection import decay_plan
 from app.models.batch import LinearStates
 from kernels import pack, pack_ref
+from loadtest import fake_checkpoints
 from loadtest.common import append_section, header, save, table
 
 MODELS = {"kimi-linear-48b-a3b": fake_checkpoints.write_kimi_linear_48b,

@@ -36,9 +36,9 @@ from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
 from app.models.batch import BatchLayout, ContiguousKV
-from app.training.corpus import read_source, split_files, stdlib_files
 from app.models.loader import cast_model, load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
+from app.training.corpus import read_source, split_files, stdlib_files
 from loadtest.common import append_section, header, median, save, table, timed
 
 
@@ -137,13 +137,17 @@ def bench_ttft(model, tok, ref, lengths, repeats, interval, diverge, hit_samples
             cold.append(ttft(cold_engine, base)[0])
             hot = filled(model, tok, interval, base, spare, place)
             # each the same work (a prompt-end hit stores nothing new), paired with its floor
-            pairs = [_paired(lambda: ttft(hot, base), lambda c: suffix_prefill(model, base, c, place))
+            pairs = [_paired(lambda hot=hot, base=base: ttft(hot, base),
+                             lambda c, base=base: suffix_prefill(model, base, c, place))
                      for _ in range(hit_samples)]
             _collect(pairs, end_hit, floor_end, cached_end, ratio_end)
             # a replay stores its branch point, so a second one would hit there: a freshly filled engine each
             branch = base[: L - diverge] + other[:diverge]
-            pairs = [_paired(lambda: ttft(filled(model, tok, interval, base, spare, place), branch),
-                             lambda c: suffix_prefill(model, branch, c, place)) for _ in range(hit_samples)]
+            def replay_ttft(base=base, branch=branch, spare=spare):
+                return ttft(filled(model, tok, interval, base, spare, place), branch)
+
+            pairs = [_paired(replay_ttft, lambda c, branch=branch: suffix_prefill(model, branch, c, place))
+                     for _ in range(hit_samples)]
             _collect(pairs, replay, floor_replay, cached_replay, ratio_replay)
             hf.append(hf_generate_time(ref, [base], 1, place))
         row = {"prompt_len": L, "cold_ms": median(cold) * 1e3, "hf_generate_ms": median(hf) * 1e3,

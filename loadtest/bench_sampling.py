@@ -4,8 +4,8 @@ Times drawing one token from each of --rows logits rows, as the engine does for 
 temperature > 0 in every step: `sample_rows` (top-p by a topk of V/64 candidates, 64 to 256, then a radix
 select; inverse-transform draw) against the full-sort form it replaced (`naive_token_probs` +
 `torch.multinomial`, row by row), measured in the same run, at the zoo vocabulary (4096) and at the target
-models' (Qwen3-Next 151936, Kimi-Linear 163840). Logits are Gaussian with scale 4 (peaked, as a trained model's usually are) or 1 (flat:
-top-p then needs many candidates).
+models' (Qwen3-Next 151936, Kimi-Linear 163840). Logits are Gaussian with scale 4 (peaked, as a trained model's
+usually are) or 1 (flat: top-p then needs many candidates).
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ from io import StringIO
 
 from app.cache.checkpoint import DenseCodec
 from app.dasc import plan as plan_tool
-from loadtest import fake_checkpoints
 from app.dasc.layout import slots_for_budget
 from app.dasc.placement import traffic_bytes
 from app.engine.config import EngineConfig
 from app.engine.tp import build_engine
 from app.models.loader import load_model
+from loadtest import fake_checkpoints
 from loadtest.common import append_section, header, save, table
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from app.training.init import init_decay, init_weights
 from app.models.loader import ZOO_DIR, build_model, read_config, save_model
+from app.training.init import init_decay, init_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -13,10 +13,9 @@ and a checkpoint that cannot be stored is skipped: no request ever fails because
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-
-from typing import Callable
 
 from app.cache.checkpoint import CheckpointPool
 from app.cache.policy import SecondHitFilter, lru_select

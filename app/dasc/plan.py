@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-from app.dasc.horizons import EPS, static_horizons
+from app.dasc.horizons import static_horizons
 from app.dasc.layout import slot_bytes, slots_for_budget
 from app.dasc.placement import MODES, plan_placement
-from app.dasc.selection import SelectionPlan, UnitGeometry, decay_plan
 from app.dasc.plots import write_plots
+from app.dasc.selection import SelectionPlan, UnitGeometry, decay_plan
 from app.models.loader import checkpoint_files, read_config, read_tensors, resolve_model_dir
 
 CONV_ELEM_BYTES = 2  # BF16 conv windows (the paper's mixed-precision checkpoint)
@@ -265,7 +264,7 @@ def format_table(rep: dict) -> str:
         lines.append(f"  {_w(r, rep):>6} {100 * r['retained_fraction']:>8.2f}% {_x(t['padded']):>7} "
                      f"{_x(t['ragged']):>7}   {_x(r['complete_ratio']):>14} {_x(r['int8_complete_ratio']):>15}")
     budget = rep["budget_bytes"]
-    lines += ["", f"  bottleneck rank bytes per checkpoint (ragged fp32 + conv/T); moved: units sent in stage 2"
+    lines += ["", "  bottleneck rank bytes per checkpoint (ragged fp32 + conv/T); moved: units sent in stage 2"
               + (f"; slots in {budget:,} B per rank (Eq. 8)" if budget else ""),
               f"  {'W_max':>6} " + " ".join(f"{m:>12}" for m in MODES) + f" {'moved st/bal':>14}"
               + ("  " + " ".join(f"{'slots ' + m:>14}" for m in MODES) if budget else "")]

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from app.dasc.horizons import EPS
+
+if TYPE_CHECKING:
+    from app.dasc.plan import RecurrentCheckpoint
+
 
 def write_plots(ckpt: RecurrentCheckpoint, w_maxes, out_dir: str | Path) -> list[Path]:
     """decay_profile.png (paper Figure 2: per-token static decay of every unit, horizons on a log axis, W_max

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from app.cache.checkpoint import CheckpointCodec
 from app.dasc.placement import Placement, split_sizes
 from app.dasc.selection import SelectionPlan
-from kernels.quant import dequantize_rows, quantize_rows
 from app.models.batch import LinearStates
+from kernels.quant import dequantize_rows, quantize_rows
 
 
 class PlacedDascCodec(CheckpointCodec):
@@ -97,7 +97,8 @@ class PlacedDascCodec(CheckpointCodec):
             dst[slot] = src[0]
 
     def load(self, slot: int) -> LinearStates:
-        rows = self.values[slot].float() if self.scales is None else dequantize_rows(self.values[slot], self.scales[slot])
+        values = self.values[slot]
+        rows = values.float() if self.scales is None else dequantize_rows(values, self.scales[slot])
         units = rows.reshape(self.placement.width, self.unit_elems)
         n_recv = sum(self.recv) // self.unit_elems
         back = self._exchange(units[self.keep : self.keep + n_recv].reshape(-1), self.recv, self.send)

@@ -81,7 +81,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.checkpoint_min_gap < 0:
             raise ValueError(f"checkpoint_min_gap must be >= 0, got {self.checkpoint_min_gap}")
-        if self.policy not in ("nr", "wr") or self.quant not in ("none", "int8") or self.layout not in ("ragged", "padded"):
+        if (self.policy not in ("nr", "wr") or self.quant not in ("none", "int8")
+                or self.layout not in ("ragged", "padded")):
             raise ValueError(f"bad dasc settings: policy {self.policy!r}, quant {self.quant!r}, layout {self.layout!r}")
         if self.w_max is not None and self.w_max < 0:
             raise ValueError(f"w_max must be >= 0, got {self.w_max}")

@@ -20,19 +20,20 @@ from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
+from app.engine.sampling import sample_rows
 from app.engine.scheduler import Scheduler, Work
 from app.engine.step_batch import StepBatch
-from app.engine.worker import Worker, split_logits
-from app.engine.sampling import sample_rows
 from app.engine.telemetry import Telemetry
+from app.engine.worker import Worker, split_logits
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer
 
 
 class Engine:
-    def __init__(self, model: HybridForCausalLM, tokenizer: Tokenizer, cfg: EngineConfig = EngineConfig(),
+    def __init__(self, model: HybridForCausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None,
                  codec: CheckpointCodec | None = None, worker=None) -> None:
         """`worker`: a `Worker` or a TP group with the same verbs; by default an in-process Worker."""
+        cfg = cfg or EngineConfig()
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.worker = worker or Worker(model, cfg, codec)
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg))

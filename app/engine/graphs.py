@@ -51,9 +51,9 @@ import numpy as np
 import torch
 
 from app.cache.pools import KVStorage, PagedKV, StateStorage, padded_rows
+from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
-from app.engine.step_batch import StepBatch
 from app.models.layers import Experts
 
 MIN_HISTORY = 64

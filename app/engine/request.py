@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, fields
-
 from typing import TYPE_CHECKING
 
 import torch

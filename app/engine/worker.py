@@ -24,8 +24,8 @@ from app.cache.pools import KVStorage, PagedKV, StateStorage
 from app.dasc.codec import DascCodec
 from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.placement import plan_placement
-from app.dasc.selection import make_plan
 from app.dasc.policy import local_rows, refresh_local_units
+from app.dasc.selection import make_plan
 from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
 from app.engine.graphs import DecodeGraphs

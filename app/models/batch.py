@@ -149,7 +149,8 @@ class AttentionKV(Protocol):
     """
 
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
-        """Store `entries` [extend_len, W] after the sequence's cached tokens; return all [cached_len + extend_len, W]."""
+        """Store `entries` [extend_len, W] after the sequence's cached tokens; return all of them,
+        [cached_len + extend_len, W]."""
         ...
 
     def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:

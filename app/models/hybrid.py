@@ -102,7 +102,8 @@ class HybridForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(hidden))
         states = LinearStates(new_conv, new_ssm)
         if any(layout.snapshots):
-            states.snapshots = {key: LinearStates([s[key][0][None] for s in snapped], [s[key][1][None] for s in snapped])
+            states.snapshots = {key: LinearStates([s[key][0][None] for s in snapped],
+                                                  [s[key][1][None] for s in snapped])
                                 for key in snapped[0]}
         return logits, states
 

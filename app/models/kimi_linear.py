@@ -83,7 +83,8 @@ class KimiLinearConfig:
             qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
             linear_num_heads=_pick(lin, "num_heads", default=_pick(d, "linear_num_heads", default=32)),
             linear_head_dim=_pick(lin, "head_dim", default=_pick(d, "linear_head_dim", default=128)),
-            linear_conv_kernel_dim=_pick(lin, "short_conv_kernel_size", default=_pick(d, "linear_conv_kernel_dim", default=4)),
+            linear_conv_kernel_dim=_pick(lin, "short_conv_kernel_size",
+                                         default=_pick(d, "linear_conv_kernel_dim", default=4)),
             layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_types),
             moe_intermediate_size=_pick(d, "moe_intermediate_size", default=1024),
             num_experts=_pick(d, "num_experts", "num_local_experts", default=0),
@@ -152,8 +153,8 @@ class KimiDeltaAttention(nn.Module):
         ).split([3 * dim, fg.f_a_proj.weight.shape[0], self.g_a_proj.weight.shape[0], self.heads], dim=-1)
         g = fg.decay(fg.f_b_proj(f_low))
         beta = torch.sigmoid(b.float())
-        out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
-                                       self._split, True, chunk_size)
+        out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state,
+                                              ssm_state, self._split, True, chunk_size)
         gate = self.g_b_proj(g_low).view(-1, self.heads, self.head_dim)
         out = self.o_norm(out.to(x.dtype), gate).reshape(x.shape[0], -1)
         return self.o_proj(out), conv, ssm, snaps

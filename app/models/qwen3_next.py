@@ -13,8 +13,7 @@ from torch import nn
 
 from app.models.batch import AttentionKV, BatchLayout
 from app.models.hybrid import DecoderLayer, HybridForCausalLM
-from app.models.layers import (MLP, Experts, RMSNorm, RMSNormGated, apply_rotary, attend, rotary_cos_sin,
-                               stacked_linear)
+from app.models.layers import MLP, Experts, RMSNorm, RMSNormGated, apply_rotary, attend, rotary_cos_sin, stacked_linear
 from app.models.recurrent import recurrent_mix
 from app.ops import l2norm
 
@@ -126,8 +125,8 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         beta = torch.sigmoid(b.reshape(n, self.nv).float())
         g = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.nv).float() + self.dt_bias.float())
-        out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state, ssm_state,
-                                       self._split, False, chunk_size)
+        out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state,
+                                              ssm_state, self._split, False, chunk_size)
         out = self.norm(out.to(x.dtype), z.reshape(n, self.nv, self.dv)).reshape(n, -1)
         return self.out_proj(out), conv, ssm, snaps
 
@@ -208,7 +207,10 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)  # noqa: E731
         layers = []
         for i, kind in enumerate(cfg.layer_types):
-            mixer, name = (GatedDeltaNet(cfg), "linear_attn") if kind == "linear_attention" else (GatedAttention(cfg), "self_attn")
+            if kind == "linear_attention":
+                mixer, name = GatedDeltaNet(cfg), "linear_attn"
+            else:
+                mixer, name = GatedAttention(cfg), "self_attn"
             mlp = SparseMoeBlock(cfg) if cfg.is_sparse(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
             layers.append(DecoderLayer(name, mixer, mlp, norm))
         self._build(cfg, layers, norm())

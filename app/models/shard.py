@@ -22,13 +22,22 @@ from app.models.layers import MLP, Experts
 from app.models.qwen3_next import GatedAttention, GatedDeltaNet, SparseMoeBlock
 
 
+def _head_counts(mixer) -> list[tuple[str, int]]:
+    """The head counts of a mixer that TP splits, named as an error message names them."""
+    if isinstance(mixer, KimiDeltaAttention):
+        return [("KDA heads", mixer.heads)]
+    if isinstance(mixer, KimiMLA):
+        return [("MLA heads", mixer.heads)]
+    if isinstance(mixer, GatedDeltaNet):
+        return [("GDN key heads", mixer.nk)]
+    return [("attention heads", mixer.heads)]
+
+
 def check_divisible(model: HybridForCausalLM, tp: int) -> None:
     """Raise ValueError naming the numbers when a head count or MLP width does not split over `tp` ranks."""
     for i, layer in enumerate(model.model.layers):
         m = layer.mixer
-        counts = {KimiDeltaAttention: lambda: [("KDA heads", m.heads)], KimiMLA: lambda: [("MLA heads", m.heads)],
-                  GatedDeltaNet: lambda: [("GDN key heads", m.nk)],
-                  GatedAttention: lambda: [("attention heads", m.heads)]}[type(m)]()
+        counts = _head_counts(m)
         if isinstance(m, GatedAttention) and m.kv_heads % tp and tp % m.kv_heads:
             counts.append(("KV heads", m.kv_heads))
         for name, n in counts:

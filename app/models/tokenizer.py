@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as Backend
-
 
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOT, IM_START, IM_END)

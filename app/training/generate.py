@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from app.engine.sampling import sample_token
 from app.models.batch import BatchLayout, ContiguousKV
 from app.models.hybrid import HybridForCausalLM
-from app.engine.sampling import sample_token
 
 
 @torch.no_grad()

@@ -37,7 +37,8 @@ def init_weights(model: HybridForCausalLM, std: float = 0.02, seed: int = 0) -> 
                 w.copy_(torch.randn(w.shape, generator=gen) / math.sqrt(w.shape[-1]))
             elif isinstance(module, Experts):
                 module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) * std)
-                module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * std / math.sqrt(2 * n_layers))
+                scale = std / math.sqrt(2 * n_layers)
+                module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * scale)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.unit_offset else 1.0)
             elif isinstance(module, RMSNormGated):

@@ -18,8 +18,8 @@ import random
 from collections.abc import Callable
 from typing import NamedTuple
 
-from app.training.snippets import Snippet, single_token_words, snippet_for_context
 from app.models.tokenizer import Tokenizer
+from app.training.snippets import Snippet, single_token_words, snippet_for_context
 
 Generate = Callable[[list[int], int], list[int]]
 """generate(prompt_ids, max_new_tokens) -> new ids only (greedy; may stop early at a stop id)."""

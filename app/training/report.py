@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from app.training.corpus import TrainingStream
-from app.training.generate import generate
 from app.dasc.horizons import model_horizons
 from app.models.loader import ZOO_DIR, build_model, load_model
-from app.training.probe import retrieval_probe
 from app.models.tokenizer import Tokenizer
+from app.training.corpus import TrainingStream
+from app.training.generate import generate
+from app.training.probe import retrieval_probe
 from app.training.train import held_out_loss
 
 W_MAX = (16, 64, 128, 512, 1024)

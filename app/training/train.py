@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from app.models.loader import ZOO_DIR, build_model, save_model
+from app.models.tokenizer import Tokenizer
 from app.training.corpus import TrainingStream
 from app.training.init import init_weights
-from app.models.loader import ZOO_DIR, build_model, save_model
 from app.training.presets import PRESETS
-from app.models.tokenizer import Tokenizer
 
 TOKENIZER_DIR = ZOO_DIR / "_tokenizer"
 
@@ -162,7 +162,8 @@ def main(argv=None) -> Path:
         if phase_at(frac, args.curriculum) != phase:
             phase = phase_at(frac, args.curriculum)
             stream = TrainingStream(tokenizer, phase.seq_len, seed=args.seed * 1000 + clock["step"],
-                                    snippet_fraction=phase.snippet_fraction, snippet_tokens=phase.snippet_tokens).blocks()
+                                    snippet_fraction=phase.snippet_fraction,
+                                    snippet_tokens=phase.snippet_tokens).blocks()
             if held_out is None:
                 held_out = TrainingStream(tokenizer, 512, seed=0, snippet_fraction=0.0).held_out_blocks(16, 512)
         t0 = time.perf_counter()

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import math
 from fractions import Fraction
 
 import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from app.cache.checkpoint import CheckpointPool, DenseCodec, physical_slots
 from app.dasc.codec import DascCodec, retained_rows
-from app.dasc.horizons import EPS, STATIC_A, model_geometry, model_horizons
 from app.dasc.layout import slot_bytes, slots_for_budget
-from app.dasc.placement import (MODES, load_move, pack_per_rank, plan_placement, split_sizes, store_move,
-                                traffic_bytes, unpack_per_rank)
-from app.dasc.selection import LayerPlan, SelectionPlan, UnitGeometry, decay_plan, make_plan, random_plan
-from app.dasc.policy import local_rows, refresh_local_units, unit_window, wr_window
-from kernels.quant import dequantize_rows, quantize_rows
-from app.engine.config import EngineConfig
-from app.engine.engine import Engine
-from app.engine.request import SamplingParams
-from app.models.batch import BatchLayout, ContiguousKV, LinearStates
-from app.models.loader import ZOO_DIR, load_model
-from app.models.tokenizer import Tokenizer
-from tests.dasc.common import KDA, GDN, CONV, sample_plans, random_states, codec_tensor_bytes
+from tests.dasc.common import CONV, GDN, KDA, codec_tensor_bytes, random_states, sample_plans
 
 
 @pytest.mark.parametrize("geometry", [KDA, GDN], ids=["kda", "gdn"])

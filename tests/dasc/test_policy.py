@@ -3,31 +3,18 @@ the dense local units, wr on short prompts equals dense."""
 
 from __future__ import annotations
 
-import json
 import math
-from fractions import Fraction
 
-import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from app.cache.checkpoint import CheckpointPool, DenseCodec, physical_slots
-from app.dasc.codec import DascCodec, retained_rows
-from app.dasc.horizons import EPS, STATIC_A, model_geometry, model_horizons
-from app.dasc.layout import slot_bytes, slots_for_budget
-from app.dasc.placement import (MODES, load_move, pack_per_rank, plan_placement, split_sizes, store_move,
-                                traffic_bytes, unpack_per_rank)
-from app.dasc.selection import LayerPlan, SelectionPlan, UnitGeometry, decay_plan, make_plan, random_plan
+from app.dasc.codec import retained_rows
+from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.policy import local_rows, refresh_local_units, unit_window, wr_window
-from kernels.quant import dequantize_rows, quantize_rows
+from app.dasc.selection import LayerPlan, SelectionPlan, decay_plan, make_plan
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
-from app.engine.request import SamplingParams
-from app.models.batch import BatchLayout, ContiguousKV, LinearStates
-from app.models.loader import ZOO_DIR, load_model
-from app.models.tokenizer import Tokenizer
-from tests.dasc.common import KDA, GDN, random_horizons, state_rows, serve_in_turn, prefix_state, nr_load
+from app.models.batch import LinearStates
+from tests.dasc.common import GDN, KDA, nr_load, prefix_state, random_horizons, serve_in_turn, state_rows
 
 
 def test_unit_window_rule():
@@ -68,7 +55,7 @@ def test_refresh_changes_only_omitted_rows(zoo):
         n = refresh_local_units(model, [tokens], storage, [slots], state, plan, local_rows(plan))
         assert n == min(wr_window(plan), len(tokens))
         assert all(torch.equal(a, b) for a, b in zip(state.conv, loaded.conv))
-        for j, (lp, local) in enumerate(zip(plan.layers, local_rows(plan))):
+        for j, lp in enumerate(plan.layers):
             keep = retained_rows(lp)
             assert torch.equal(state_rows(state, j)[keep], state_rows(loaded, j)[keep])
         if w == 0:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from app.cache.digest import block_hashes, matched_blocks, tree_digest
 from app.cache.radix import RadixTree
 from deployments.routing_policy import Candidate, RouterKnobs, rank
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window
-
-import torch
 
 KNOBS = RouterKnobs(block_size=4, min_match_tokens=8, max_queue_gap=2, max_ratio=1.4, share_window=20)
 

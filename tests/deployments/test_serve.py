@@ -133,7 +133,8 @@ def test_bad_inputs_get_openai_errors(server):
     r = httpx.post(url, content=b"{oops", headers={**h, "content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert httpx.post(url, json={"prompt": "x"}, timeout=30).status_code == 401
-    assert httpx.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}, timeout=30).status_code == 401
+    wrong_key = {"Authorization": "Bearer nope"}
+    assert httpx.post(url, json={"prompt": "x"}, headers=wrong_key, timeout=30).status_code == 401
     big = httpx.post(url, content=b"x" * (2 << 20), headers={**h, "content-type": "application/json"}, timeout=30)
     assert big.status_code == 413
     with pytest.raises(BadRequestError):

@@ -12,15 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from tests.helpers import load_zoo, record_logits
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
-from app.training.generate import generate
-from app.models.loader import ZOO_DIR, load_model
 from app.models.tokenizer import Tokenizer
+from app.training.generate import generate
+from tests.helpers import load_zoo, record_logits
 
 LOGIT_TOL = 1e-4
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

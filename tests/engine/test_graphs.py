@@ -35,9 +35,10 @@ def test_graph_path_equals_the_plain_engine(name):
     prompts = _prompts(tok, 13)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     cfg = dict(max_running=6, interval=32)  # 13 requests through 6 slots: padded batches
-    plain, graphed = Engine(model, tok, EngineConfig(**cfg)), Engine(model, tok, EngineConfig(**cfg, decode_graphs=True))
+    plain = Engine(model, tok, EngineConfig(**cfg))
+    graphed = Engine(model, tok, EngineConfig(**cfg, decode_graphs=True))
     want_logits, got_logits = record_logits(plain), record_logits(graphed)
-    for rounds in range(2):  # the second round hits the first one's checkpoints
+    for _ in range(2):  # the second round hits the first one's checkpoints
         want = plain.generate(prompts, params)
         got = graphed.generate(prompts, params)
         assert [o[0].output_ids for o in got] == [o[0].output_ids for o in want]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from app.training.generate import generate
 from app.models.loader import ZOO_DIR, load_model
 from app.models.tokenizer import Tokenizer
+from app.training.generate import generate
 
 ZOO = ["kda-tiny", "gdn-tiny"]
 PROMPTS = [

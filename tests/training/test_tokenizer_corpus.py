@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.training.corpus import MAX_FILE_BYTES, TrainingStream, split_files, stdlib_files, stdlib_root
-from app.training.snippets import GENERATORS, copy_list, kv_lookup, snippet_for_context, var_chain
-from app.training.probe import PROBE_KINDS, is_exact, retrieval_probe
 from app.models.tokenizer import EOT, IM_END, IM_START, Tokenizer, decode_stream
+from app.training.corpus import MAX_FILE_BYTES, TrainingStream, split_files, stdlib_files, stdlib_root
+from app.training.probe import PROBE_KINDS, is_exact, retrieval_probe
+from app.training.snippets import GENERATORS, copy_list, kv_lookup, snippet_for_context, var_chain
 from app.training.tokenizer import train_tokenizer
 
 TRICKY = [
