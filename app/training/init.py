@@ -1,6 +1,6 @@
 """Weight initialisation for training from scratch, with decay parameters that give dasc something to do.
 
-Static horizon of a recurrent unit (DESIGN.md): g = -exp(A_log) * softplus(a + dt_bias) at a = -0.3 and
+Static horizon of a recurrent unit (docs/design.md): g = -exp(A_log) * softplus(a + dt_bias) at a = -0.3 and
 H_s = ln(1e-3) / g. The paper's trained models show (section 3.3):
   KDA channels: per-token decay alpha = exp(g) median 0.471, IQR [0.170, 0.774]  -> H_s ~ 9 tokens, IQR [4, 27]
   GDN heads:    alpha median 0.969, IQR [0.894, 0.997]                          -> H_s ~ 220, IQR [62, 2300]
