@@ -1,40 +1,13 @@
-"""Decode steps replayed from captured CUDA graphs (`EngineConfig.decode_graphs`).
+"""Pure decode steps from device tensors only, replayed from captured CUDA graphs (`EngineConfig.decode_graphs`)
+or run through `torch.compile` (`EngineConfig.compile_decode`).
 
-On a GPU, a decode step of a model this engine serves is bound by kernel launches: each of its few hundred
-ops costs the host more time than the GPU. A CUDA graph records the launches of one step once and replays
-them with one call. A graph replays fixed shapes and fixed buffers, so the step here is built from device
-tensors only (`decode_step`): token ids, positions, state slots and KV tables go into the graph's input
-buffers with one host-to-device copy each, and nothing in the forward reads host lengths (`BatchLayout.decode`).
-Steps are padded up to a bucket: the batch to a power of two, the KV history to a power of two of at least
-64 tokens. Padding rows read and write a scratch state slot and a scratch KV slot that the allocators never
-hand out. One graph per (batch, history) bucket, captured on first use, all in one memory pool (a step's
-logits are copied out before the next replay).
-
-On the CPU the same padded step runs eagerly, without capture: the twin the tests compare with the plain step.
-
-Compiled steps (`EngineConfig.compile_decode`): the step goes through `torch.compile` (Inductor), which fuses
-its elementwise ops into a few generated kernels around the matmuls (C++ on the CPU, Triton on a GPU, where
-the compiled step is then captured like the eager one). The history length stays symbolic, so there is one
-compiled step per batch bucket; all of them are compiled when the worker starts, not in the middle of a
-step. The compiled step bakes in the stacked projection weights (`stacked_linear`) of an eager warm-up step.
-Before each call Dynamo checks the guards of the compiled code, by default a few hundred tensor checks on the
-model's parameters, which a small model's CPU step notices. An engine's model and its parameters
-stay the same objects for the engine's life, so the steps skip the guards on the model's modules and keep
-those on the inputs (which pick the bucket) and on the KV and state storage. Each engine compiles its own copy
-of the step function (Dynamo keeps compiled code per code object), so no engine can run code compiled for
-another engine's model. Where steps are not captured (the CPU), the generated code calls its kernels from a
-C++ wrapper (Inductor's `cpp_wrapper`) rather than Python: a step's few hundred buffer allocations, views and
-kernel calls would otherwise run as Python on every step. A captured step runs no wrapper at all.
-
-On the CPU the compiled step also freezes the weights and runs its matmuls as Inductor's C++ GEMM kernels
-(`_cpu_gemm_settings`). At decode batch sizes (16 rows against a 128 x 768 weight) a matmul's cost is
-reading its weight, and the MKL build torch ships takes its generic code path on AMD CPUs, where it copies the
-weight into panels on every call and that copy costs more than the multiply. Frozen, each weight is packed
-once into the blocks of a C++ micro-kernel generated for the machine's vector width, and the step's
-neighbouring elementwise ops fuse around it. Such a kernel is chosen without timing candidates (timing
-each is a C++ build per matmul shape and bucket); where a matmul has no C++ kernel (a product of two
-activations), ATen's stays. Costs: frozen graphs skip Inductor's graph cache, so every start compiles
-from scratch, and each batch bucket holds its own packed copy of the weights.
+A step is padded to a (batch, history) bucket: batch a power of two, history a power of two >= MIN_HISTORY.
+Padding rows read and write a scratch state slot and a scratch KV slot that the allocators never hand out.
+Nothing in `decode_step` reads host lengths or copies from the host, so one capture or compiled step serves
+every step of its bucket; on the CPU the same padded step runs eagerly, the twin the tests compare with the
+plain step. One graph per bucket, captured on first use, all in one memory pool; a step's logits are the
+graph's output buffer, to be read before the next replay. Why and how (capture, compilation, guards, the CPU
+GEMM kernels): docs/architecture.md, "Decode graphs" and "Compiled decode".
 
     int64 input buffers of a (b, s) bucket:
     head [4, b]:    ids | positions | state slots | KV write slots

@@ -1,15 +1,11 @@
 """Tensor parallelism: one process per rank (torch.distributed: gloo on CPUs, NCCL with `device: cuda`, rank r
-on GPU r), driven by rank 0.
+on GPU r), driven by rank 0, the engine's process.
 
-Rank 0 is the engine's process. `TPGroup` starts ranks 1..T-1, shards the model on every rank
-(`app.models.shard`; stage 1 of TP-balanced placement permutes head bundles there), and offers the same
-verbs as a `Worker`: each call is broadcast to the other ranks and run on rank 0's own shard, so forward
-passes all_reduce in lockstep and checkpoint stores/loads run stage 2's all_to_all together.
-
-    engine (rank 0) --broadcast (verb, args)--> rank 1 .. T-1
-    every rank: its Worker shard; all_reduce after mixers and MLPs; all_to_all on checkpoint store / load
-
-`build_engine(model, cfg, tp_size)` is the entry point: TP = 1 stays in-process.
+`TPGroup` starts ranks 1..T-1, shards the model on every rank (`app.models.shard`, in the stage-1 head order
+of balanced placement) and offers the verbs of a `Worker` (`VERBS`): each call is broadcast to the other
+ranks and run on rank 0's own shard, so the forwards' all_reduce and the all_to_all of checkpoint stores and
+loads run in lockstep. `build_engine(model, cfg, tp_size, placement)` is the entry point: TP = 1 stays
+in-process. See docs/architecture.md, "Engine: who decides, who holds the bytes".
 """
 
 from __future__ import annotations

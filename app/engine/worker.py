@@ -2,15 +2,9 @@
 checkpoint storage) and the verbs the engine drives it with. The engine's scheduler and cache only decide
 slot ids; every byte moves here. Under TP the same verb runs on every rank (app/engine/tp.py).
 
-Weights, pools, step inputs and codec storage live on the worker's device: every tensor is created there
-explicitly (from a weight, a template state or the layout's device), never through a default-device mode,
-which would add a Python call to every torch op of a step. The engine only sees slot ids, the greedy
-picks of a step (argmax where the logits are) and the logits of its sampled rows, which come back to the
-host.
-
-All pieces of a step run in one forward: decode tokens of many sequences batch through the recurrent ops
-together (equal extend length 1), prefill pieces run with their peers of equal length, attention reads and
-writes KV through `PagedKV`.
+Every tensor is created on the worker's device explicitly (from a weight, a template state or the layout's
+device), never through a default-device mode. The engine gets back only the greedy picks of a step and the
+logits of its sampled rows. Why: docs/architecture.md, "Engine: who decides, who holds the bytes".
 """
 
 from __future__ import annotations
