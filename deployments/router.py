@@ -8,26 +8,20 @@ replica until that replica's digest shows the prefix (a digest taken while the f
 flight would not).
 
 Knobs (deployment `request_router_kwargs`): block_size, min_match_tokens, max_queue_gap, max_ratio,
-share_window — see `RouterKnobs` — and remember_s.
+share_window — see `RouterKnobs` — and remember_s (see `RouterMemory`).
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.routing_policy import Candidate, RouterKnobs, rank
+from deployments.routing_policy import Candidate, RouterKnobs, RouterMemory, rank
 
 
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, remember_s: float = 30.0, **knobs) -> None:
         self.knobs = RouterKnobs(**knobs)
-        self.remember_s = remember_s
-        self._recent: deque[str] = deque(maxlen=self.knobs.share_window)
-        self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
-        self._digests: dict[str, tuple[object, frozenset[int]]] = {}
+        self.memory = RouterMemory(remember_s, self.knobs.share_window)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -37,27 +31,11 @@ class PrefixAwareRouter(RequestRouter):
         return [[by_id[i] for i in tier] for tier in rank(candidates, chain, self.knobs)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        rid = replica_id.unique_id
-        self._recent.append(rid)
-        now = time.monotonic()
-        self._routed.setdefault(rid, {}).update((h, now) for h in _chain(pending_request))
+        self.memory.routed(replica_id.unique_id, _chain(pending_request))
 
     def _candidate(self, replica: RunningReplica) -> Candidate:
-        rid = replica.replica_id.unique_id
-        stats = replica.routing_stats or {}
-        version = stats.get("version")
-        cached = self._digests.get(rid)
-        if cached is None or cached[0] != version:
-            cached = (version, frozenset(stats.get("digest", ())))
-            self._digests[rid] = cached
-        queue = self._replica_queue_len_cache.get(replica.replica_id)
-        queue = stats.get("queue", 0) if queue is None else queue
-        horizon = time.monotonic() - self.remember_s
-        routed = self._routed.get(rid, {})
-        for h in [h for h, t in routed.items() if t < horizon]:
-            del routed[h]
-        known = cached[1] | frozenset(routed) if routed else cached[1]
-        return Candidate(rid, int(queue), known, sum(1 for r in self._recent if r == rid))
+        return self.memory.candidate(replica.replica_id.unique_id, replica.routing_stats,
+                                     self._replica_queue_len_cache.get(replica.replica_id))
 
 
 def _chain(pending_request: PendingRequest | None) -> list[int]:

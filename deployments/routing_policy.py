@@ -1,14 +1,18 @@
-"""The prefix-aware routing decision as a pure function (no Ray): tests import it directly.
+"""The prefix-aware routing decision as a pure function, and the router's memory as a plain class with an
+injectable clock (no Ray): tests import both directly.
 
 For each candidate replica: the prompt tokens it would not have to prefill (leading blocks of the request's
-chained block hashes found in the replica's published digest or in what this router sent it since that
-digest was published), its queue length, and its share of recently routed requests. The request goes to
+chained block hashes found in the replica's published digest or in what this router sent it within the last
+`remember_s` seconds), its queue length, and its share of recently routed requests. The request goes to
 the replica saving the most tokens among those not overloaded; with no useful match, to the least loaded.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from app.cache.digest import matched_blocks
 
@@ -62,3 +66,42 @@ def rank(candidates: list[Candidate], chain: list[int], knobs: RouterKnobs) -> l
         chosen = min(balanced, key=load)
     rest = sorted((c for c in candidates if c is not chosen), key=load)
     return [[chosen.replica_id]] + ([[c.replica_id for c in rest]] if rest else [])
+
+
+class RouterMemory:
+    """What one router remembers between decisions. `clock`: seconds, monotonic.
+
+    - each replica's published digest, rebuilt only when its stats' `version` changes;
+    - per replica, the block hashes this router sent it and when: a hash sent at time t is known until
+      t + remember_s (inclusive), so requests sharing a new prefix stick to one replica until that replica's
+      digest shows the prefix;
+    - the replicas of the last `share_window` routing decisions (`Candidate.recent`)."""
+
+    def __init__(self, remember_s: float, share_window: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.remember_s, self.clock = remember_s, clock
+        self._recent: deque[str] = deque(maxlen=share_window)
+        self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
+        self._digests: dict[str, tuple[object, frozenset[int]]] = {}  # replica -> (stats version, digest)
+
+    def routed(self, replica_id: str, chain: list[int]) -> None:
+        """One decision: the request with block hashes `chain` went to `replica_id`."""
+        self._recent.append(replica_id)
+        now = self.clock()
+        self._routed.setdefault(replica_id, {}).update((h, now) for h in chain)
+
+    def candidate(self, replica_id: str, stats: dict | None, queue_len: int | None) -> Candidate:
+        """The replica as `rank` sees it. stats: its published routing stats (`version`, `digest`, `queue`),
+        None before the first; queue_len: a fresher queue length than the stats' (None: use the stats')."""
+        stats = stats or {}
+        version = stats.get("version")
+        cached = self._digests.get(replica_id)
+        if cached is None or cached[0] != version:
+            cached = (version, frozenset(stats.get("digest", ())))
+            self._digests[replica_id] = cached
+        queue = stats.get("queue", 0) if queue_len is None else queue_len
+        horizon = self.clock() - self.remember_s
+        routed = self._routed.get(replica_id, {})
+        for h in [h for h, t in routed.items() if t < horizon]:
+            del routed[h]
+        known = cached[1] | frozenset(routed) if routed else cached[1]
+        return Candidate(replica_id, int(queue), known, sum(1 for r in self._recent if r == replica_id))

@@ -83,6 +83,21 @@ def test_match_reports_a_stateless_fork_below_the_checkpoint():
     tree.check_integrity()
 
 
+def test_match_limit_is_inclusive():
+    """A checkpoint, or a stateless fork, exactly at `limit` is usable; one token past it is not."""
+    tree = RadixTree()
+    a = tree.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]))
+    tree.insert([1, 2, 9], torch.tensor([20, 21, 22]))
+    tree.set_checkpoint(a.node, 5)
+    m = tree.match([1, 2, 3, 4, 7], limit=4)
+    assert (m.checkpoint_len, m.checkpoint_node) == (4, a.node)
+    assert m.kv_slots.tolist() == [10, 11, 12, 13]
+    assert tree.match([1, 2, 3, 4]).checkpoint_len == 4  # the default limit is the whole prompt
+    assert tree.match([1, 2, 3, 4, 7], limit=3).checkpoint_len == 0
+    assert tree.match([1, 2, 3, 7], limit=2).fork_len == 2
+    assert tree.match([1, 2, 3, 7], limit=1).fork_len == 0
+
+
 def test_lock_protects_from_eviction_and_lru_order():
     cache = _cache(kv_slots=12)
     r1 = cache.insert([1, 2, 3], _slots(cache, 3))
