@@ -11,6 +11,9 @@ The cause (GNU OpenMP, which torch's CPU wheels use): each thread that starts a 
 pool of worker threads, and libgomp counts all of them. Once the count exceeds the CPUs (the main thread's
 idle workers plus the step thread's team), every team waits for work with a short "throttled" spin and then
 sleeps, so each of the step thread's parallel ops pays for waking its workers.
+
+Results: loadtest/results/bench_async_cpu.json, variant `<model>/threads-<N>`; --out DOC replaces that variant's
+block in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-from loadtest.common import append_section, header, median, save, table, timed
+from loadtest.common import median, start_run, table, timed
+from loadtest.sections import publish
 
 FORMS = ("main thread", "step thread", "main thread, 1 thread")
 
@@ -78,7 +83,7 @@ def main(argv=None) -> None:
         print(json.dumps(_one_run(args.model, args.child, args.requests, args.tokens, args.rounds, args.threads)))
         return
     torch.set_num_threads(args.threads)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "child")}
+    record = start_run("bench_async", {k: v for k, v in vars(args).items() if k not in ("out", "child")}, argv)
     runs: dict[str, list[float]] = {f: [] for f in FORMS}
     for _ in range(args.repeats):
         for form in FORMS:
@@ -88,15 +93,14 @@ def main(argv=None) -> None:
             print(form, f"{runs[form][-1]:.3f} s", flush=True)
     base = median(runs[FORMS[0]])
     rows = [[form, median(t), min(t), max(t), base / median(t)] for form, t in runs.items()]
-    md = header("AsyncEngine: engine built in the main thread vs in its step thread", config)
-    md += ("\nSeconds to serve %d concurrent greedy requests of 64 prompt tokens and %d new tokens each (per "
+    md = ("Seconds to serve %d concurrent greedy requests of 64 prompt tokens and %d new tokens each (per "
            "process: median of %d rounds after a warm-up; median, min and max over %d processes per form). "
            "*speed-up*: main-thread median / this median.\n\n"
            % (args.requests, args.tokens, args.rounds, args.repeats))
     md += table(["engine built in", "median s", "min s", "max s", "speed-up"], rows) + "\n"
-    print(md)
-    save(f"bench_async_{args.model}_{args.threads}t", {"config": config, "runs": runs})
-    append_section(args.out, md)
+    publish(record, f"{Path(args.model).name}/threads-{args.threads}", {"seconds": runs}, md, args.out,
+            "AsyncEngine: engine built in the main thread vs in its step thread",
+            f"{Path(args.model).name}, {args.threads} torch thread{'s' if args.threads > 1 else ''}")
 
 
 if __name__ == "__main__":

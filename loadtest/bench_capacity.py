@@ -12,6 +12,9 @@ generation-end checkpoints), LRU eviction.
 Quality (separate, model-level): for held-out prefixes the dense state after the prefix is stored and
 loaded through each arm's codec (and refreshed by wr), then the next 32 true tokens are scored (mean NLL,
 the "continuation loss") and 16 greedy tokens are compared with dense (greedy agreement).
+
+Results: loadtest/results/bench_capacity_cpu.json, variant the model; --out DOC replaces that variant's block in
+DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from app.models.batch import BatchLayout, ContiguousKV
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.bench_engine import corpus_ids
-from loadtest.common import append_section, header, save, table
+from loadtest.common import start_run, table
+from loadtest.sections import publish
 
 W_MAXES = (16, 64, 128, 512)
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -183,6 +187,7 @@ def main(argv=None) -> None:
     config = {"model": args.model, "budget_mb": round(budget_mb, 3), "dense_bytes_per_slot": dense_bytes,
               "phases": phases, "prompt_len": args.prompt_len, "seeds": args.seeds}
     print(json.dumps(config), flush=True)
+    record = start_run("bench_capacity", config, argv)
     results = []
     for arm in all_arms:
         per_seed = []
@@ -197,20 +202,17 @@ def main(argv=None) -> None:
     for r in results:
         r["ttft_vs_dense"] = r["ttft_mean_ms"] / dense["ttft_mean_ms"] - 1
         r["throughput_vs_dense"] = r["input_tok_s"] / dense["input_tok_s"] - 1
-    md = header(f"Capacity: dasc vs dense at a fixed budget of 128 dense slots ({args.model})", config)
-    md += "\nMeans over seeds of replay-only metrics pooled over all phases; quality on held-out prefixes.\n\n"
+    md = "Means over seeds of replay-only metrics pooled over all phases; quality on held-out prefixes.\n\n"
     md += table(["arm", "slots", "bytes/slot", "hit rate", "TTFT mean ms", "TTFT p90 ms", "input tok/s",
                  "TTFT vs dense", "tok/s vs dense", "wr replay tok", "cont. NLL", "dense NLL", "greedy agree"],
                 [[r["arm"], int(r["slots"]), int(r["bytes_per_slot"]), r["hit_rate"], r["ttft_mean_ms"],
                   r["ttft_p90_ms"], r["input_tok_s"], f"{r['ttft_vs_dense']:+.1%}", f"{r['throughput_vs_dense']:+.1%}",
                   int(r["wr_replay_tokens"]), "-" if r["continuation_nll"] is None else r["continuation_nll"],
                   "-" if r["dense_nll"] is None else r["dense_nll"], r["greedy_agreement"]] for r in results])
-    print(md)
-    save(f"bench_capacity_{args.model}", {"config": config, "results": results})
     if args.plot:
         _plot(results, args.plot)
         md += f"\n\n![capacity]({args.plot.split('/', 1)[-1] if args.plot.startswith('docs/') else args.plot})\n"
-    append_section(args.out, md)
+    publish(record, args.model, {"rows": results}, md, args.out, "Capacity: dasc vs dense at a fixed budget")
 
 
 def _pool(rows: list[dict], weights: list[int]) -> dict:

@@ -12,6 +12,8 @@ The plans come from generated checkpoints with the real key names, shapes and de
 (`loadtest/fake_checkpoints.py`); no projection weights are needed for a codec.
 
 Each figure is the median over --repeats runs of the median of --samples synchronised calls (after warm-up).
+Results: loadtest/results/bench_codec_<cpu|cuda>.json, variant "default"; --out DOC replaces that variant's
+block in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from app.dasc.selection import decay_plan
 from app.models.batch import LinearStates
 from kernels import pack, pack_ref
 from loadtest import fake_checkpoints
-from loadtest.common import append_section, header, save, table
+from loadtest.common import start_run, table
+from loadtest.sections import publish
 
 MODELS = {"kimi-linear-48b-a3b": fake_checkpoints.write_kimi_linear_48b,
           "qwen3-next-80b-a3b": fake_checkpoints.write_qwen3_next_80b}
@@ -134,7 +137,7 @@ def main(argv=None) -> None:
     p.add_argument("--w-max", type=float, nargs="+", default=[16, 128])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--samples", type=int, default=20)
-    p.add_argument("--out", default=None, help="append the markdown section to this file")
+    p.add_argument("--out", default=None, help="replace this run's block in this markdown file")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -142,17 +145,16 @@ def main(argv=None) -> None:
         torch.cuda.set_device(device)
     config = {"device": device_name(device), "models": args.models, "w_max": args.w_max,
               "repeats": args.repeats, "samples": args.samples, "tp": 1, "layout": "ragged"}
+    record = start_run("bench_codec", config, argv, "cuda" if device.type == "cuda" else "cpu")
     rows = [r for m in args.models for r in bench_model(m, args.w_max, device, args.repeats, args.samples)]
-    md = header(f"Checkpoint store/load at production shapes on {device_name(device)}", config)
-    md += "\n" + table(
+    md = (f"On {device_name(device)}; each figure the median over {args.repeats} repeats of the median of "
+          f"{args.samples} synchronised calls:\n\n")
+    md += table(
         ["model", "codec", "W_max", "quant", "ops", "MiB/slot", "compression", "store ms", "load ms",
          "store / dense", "load / dense"],
         [[r["model"], r["codec"], int(r["w_max"]), r["quant"], r["ops"], r["bytes_per_slot"] / 2**20,
           r["compression"], r["store_ms"], r["load_ms"], r["store_vs_dense"], r["load_vs_dense"]] for r in rows])
-    print(md)
-    tag = "cuda" if device.type == "cuda" else "cpu"
-    print(f"\nsaved {save(f'bench_codec_{tag}', {'config': config, 'rows': rows})}")
-    append_section(args.out, md)
+    publish(record, "default", {"rows": rows}, md, args.out, "Checkpoint store and load at production shapes")
 
 
 if __name__ == "__main__":

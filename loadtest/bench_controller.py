@@ -5,6 +5,8 @@ kda-tiny: first a sweep of static settings (controller off), then the controller
 arm runs the same rounds of the same prompts; the last `--measure` rounds are measured (the controller arm
 has had the earlier rounds to tune). Reported: hit rate, mean and p90 TTFT, and for the controller its
 final setting and decisions; the comparison is against the best and the worst static setting.
+Results: loadtest/results/bench_controller_cpu.json, variant the model; --out DOC replaces that variant's block
+in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import json
 import random
 import time
 
-from loadtest.common import append_section, header, save, table
+from loadtest.common import start_run, table
+from loadtest.sections import publish
 from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
 
 STATIC = ({"w_max": None}, {"w_max": 16}, {"w_max": 64}, {"w_max": 128}, {"w_max": 512, "policy": "wr"})
@@ -69,21 +72,19 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    record = start_run("bench_controller", {k: v for k, v in vars(args).items() if k != "out"}, argv)
     rows = [run(label(s), s, False, args) for s in STATIC]
     rows.append(run("controller", {}, True, args))
     static = rows[:-1]
     best = min(static, key=lambda r: r["ttft_mean_ms"])
     worst = max(static, key=lambda r: r["ttft_mean_ms"])
     ctrl = rows[-1]
-    md = header("Controller vs static settings (1 replica, working set > dense capacity)", vars(args))
-    md += "\n" + table(["arm", "hit rate", "TTFT mean ms", "TTFT p90 ms", "failed"],
-                       [[r["arm"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["failed"]] for r in rows])
+    md = table(["arm", "hit rate", "TTFT mean ms", "TTFT p90 ms", "failed"],
+               [[r["arm"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["failed"]] for r in rows])
     md += (f"\n\nController final setting: {ctrl.get('final_setting')}; decisions: {ctrl.get('decisions')}.\n"
            f"Mean TTFT vs best static ({best['arm']}): {ctrl['ttft_mean_ms'] / best['ttft_mean_ms']:.2f}x; "
            f"vs worst static ({worst['arm']}): {ctrl['ttft_mean_ms'] / worst['ttft_mean_ms']:.2f}x.\n")
-    print(md)
-    save("bench_controller", {"config": vars(args), "rows": rows})
-    append_section(args.out, md)
+    publish(record, args.model, {"rows": rows}, md, args.out, "Controller vs static settings")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ In one run, on one checkpoint:
 Every figure is the median of --repeats runs; ratios are against baselines measured in the same run. Sections 2
 and 3 build each engine once and reuse it in every repeat, as a server keeps its engine; with --compile-decode
 they time compiled engines, and section 1, which times prefill, does not.
+
+Results: loadtest/results/bench_engine_<cpu|cuda>.json, one variant per section, `<model>[-bfloat16][-graphs]
+[-compiled]/<section>` (e.g. `kda-tiny-compiled/decode`); --out DOC replaces those variants' blocks in DOC
+(loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from app.models.batch import BatchLayout, ContiguousKV
 from app.models.loader import cast_model, load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from app.training.corpus import read_source, split_files, stdlib_files
-from loadtest.common import append_section, header, median, save, table, timed
+from loadtest.common import median, start_run, table, timed
+from loadtest.sections import publish
 
 
 class Place(NamedTuple):
@@ -64,6 +69,7 @@ CPU = Place()
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SAMPLED = dict(temperature=0.7, top_p=0.9)  # the decode_sampled section's settings, ours and generate's
+SECTIONS = {"ttft": "TTFT", "decode": "decode, greedy", "decode_sampled": "decode, sampled", "mixed": "mixed batch"}
 
 
 def corpus_ids(tok: Tokenizer, n: int) -> list[int]:
@@ -269,7 +275,7 @@ def main(argv=None) -> None:
                         "sections also time eager engines)")
     p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"],
                    choices=["ttft", "decode", "decode_sampled", "mixed"])
-    p.add_argument("--out", default=None, help="append the markdown section to this file")
+    p.add_argument("--out", default=None, help="replace this run's blocks in this markdown file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
@@ -277,7 +283,8 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     model, tok = cast_model(load_model(model_dir).to(args.device), dtype).eval(), Tokenizer.from_dir(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    config = {k: v for k, v in vars(args).items() if k != "out"}
+    record = start_run("bench_engine", {k: v for k, v in vars(args).items() if k != "out"}, argv,
+                       "cuda" if args.device.startswith("cuda") else "cpu")
     # TTFT is prefill, which compiled decode steps leave alone: its many cache-filled engines are not compiled
     ttft_rows = bench_ttft(model, tok, ref, args.lengths, args.repeats, args.interval, args.diverge,
                            args.hit_samples, place._replace(compiled=False)) \
@@ -289,49 +296,61 @@ def main(argv=None) -> None:
                                 engines=engines) if "decode_sampled" in args.sections else []
     mixed = bench_mixed(model, tok, ref, args.repeats, place=place, engines=engines) \
         if "mixed" in args.sections else None
+    results = {"ttft": ttft_rows, "decode": decode_rows, "decode_sampled": sampled_rows,
+               "mixed": [mixed] if mixed else []}
+    options = [(tag, words) for tag, words, on in [(args.dtype, args.dtype, args.dtype != "float32"),
+                                                   ("graphs", "decode graphs", args.decode_graphs),
+                                                   ("compiled", "compiled decode", args.compile_decode)] if on]
     name = Path(args.model).name
-    on = f" on {torch.cuda.get_device_name()}, {args.dtype}" if args.device.startswith("cuda") else ""
-    on += ", decode graphs" if args.decode_graphs else ""
-    on += ", compiled decode" if args.compile_decode else ""
-    default = sorted(args.sections) == ["decode", "mixed", "ttft"]
-    md = header(f"Engine: {'TTFT and decode' if default else ', '.join(args.sections)} ({name}{on})", config)
-    if ttft_rows:
-        md += ("\nTTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
-               "*floor*: model-only prefill of the uncached suffix, timed right after each hit; *ratio*: median of "
-               "those paired hit / floor ratios.\n\n" % (args.repeats, args.hit_samples))
-        md += table(["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached",
-                     "floor", "ratio"],
-                    [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
-                      r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
-                      r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in ttft_rows]) + "\n"
-    for rows, how in [(decode_rows, "greedy"), (sampled_rows, "sampling with temperature %(temperature)s, "
-                                                 "top-p %(top_p)s, top-k off, ours and HF alike" % SAMPLED)]:
-        if not rows:
-            continue
-        eager = ["ours eager", "compiled / eager"] if args.compile_decode else []
-        md += ("\nDecode tokens/s, %s (64-token prompts, 64 new tokens, median of %d). *HF generate*: one static "
-               "batch of the same prompts; *HF one at a time*: its batch-1 rate, what a server without batching "
-               "delivers at any load; *ratio*: the median of each repeat's own ours / HF generate%s:\n\n"
-               % (how, args.repeats, "; *ours eager*: the same engine without compiled decode steps, timed in the "
-                  "same repeats (*compiled / eager*, a median of paired ratios too)" if eager else ""))
-        hf_single = next((r["hf_tok_s"] for r in rows if r["batch"] == 1), None)
-        md += table(["batch", "ours", *eager, "HF generate", "ratio", "ratio vs HF one at a time"],
-                    [[r["batch"], r["ours_tok_s"], *([r["eager_tok_s"], r["over_eager"]] if eager else []),
-                      r["hf_tok_s"], r["speedup"], r["ours_tok_s"] / hf_single if hf_single else "-"]
-                     for r in rows]) + "\n"
-    if mixed:
-        md += ("\nMixed batch, end to end (median of %d): %d requests, prompt lengths %d-%d, output budgets %d-%d "
-               "tokens (%d in all); HF generate runs them as one left-padded static batch for the longest budget.\n\n"
-               % (args.repeats, mixed["batch"], min(mixed["prompt_lens"]), max(mixed["prompt_lens"]),
-                  min(mixed["budgets"]), max(mixed["budgets"]), sum(mixed["budgets"])))
-        md += table(["requests", "ours tok/s", "HF generate tok/s", "ratio"],
-                    [[mixed["batch"], mixed["ours_tok_s"], mixed["hf_tok_s"], mixed["speedup"]]]) + "\n"
-    print(md)
-    sections = "" if default else "_" + "_".join(args.sections)
-    save(f"bench_engine_{name}" + ("_cuda" if args.device.startswith("cuda") else "")
-         + ("_graphs" if args.decode_graphs else "") + ("_compiled" if args.compile_decode else "") + sections,
-         {"config": config, "ttft": ttft_rows, "decode": decode_rows, "decode_sampled": sampled_rows, "mixed": mixed})
-    append_section(args.out, md)
+    label, words = "-".join([name, *(t for t, _ in options)]), ", ".join([name, *(w for _, w in options)])
+    for section in (s for s in SECTIONS if s in args.sections):
+        publish(record, f"{label}/{section}", {"rows": results[section]}, _markdown(section, results[section], args),
+                args.out, "Engine: TTFT, decode and mixed batches", f"{words}: {SECTIONS[section]}")
+
+
+def _markdown(section: str, rows: list[dict], args) -> str:
+    """One section's legend and table."""
+    if section == "ttft":
+        return _ttft_markdown(rows, args)
+    if section == "mixed":
+        return _mixed_markdown(rows[0], args)
+    return _decode_markdown(rows, section == "decode_sampled", args)
+
+
+def _ttft_markdown(rows: list[dict], args) -> str:
+    legend = ("TTFT in ms (median over %d repeats of the median of %d samples per repeat for hits and floors). "
+              "*floor*: model-only prefill of the uncached suffix, timed right after each hit; *ratio*: median of "
+              "those paired hit / floor ratios.\n\n" % (args.repeats, args.hit_samples))
+    return legend + table(
+        ["prompt", "cold", "HF generate", "hit@end", "cached", "floor", "ratio", "hit replay", "cached", "floor",
+         "ratio"],
+        [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
+          r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
+          r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in rows])
+
+
+def _mixed_markdown(m: dict, args) -> str:
+    legend = ("Mixed batch, end to end (median of %d): %d requests, prompt lengths %d-%d, output budgets %d-%d "
+              "tokens (%d in all); HF generate runs them as one left-padded static batch for the longest budget.\n\n"
+              % (args.repeats, m["batch"], min(m["prompt_lens"]), max(m["prompt_lens"]), min(m["budgets"]),
+                 max(m["budgets"]), sum(m["budgets"])))
+    return legend + table(["requests", "ours tok/s", "HF generate tok/s", "ratio"],
+                          [[m["batch"], m["ours_tok_s"], m["hf_tok_s"], m["speedup"]]])
+
+
+def _decode_markdown(rows: list[dict], sampled: bool, args) -> str:
+    how = "greedy" if not sampled else (
+        "sampling with temperature %(temperature)s, top-p %(top_p)s, top-k off, ours and HF alike" % SAMPLED)
+    eager = ["ours eager", "compiled / eager"] if args.compile_decode else []
+    hf_single = next((r["hf_tok_s"] for r in rows if r["batch"] == 1), None)
+    return ("Decode tokens/s, %s (64-token prompts, 64 new tokens, median of %d). *HF generate*: one static batch of "
+            "the same prompts; *HF one at a time*: its batch-1 rate, what a server without batching delivers at any "
+            "load; *ratio*: the median of each repeat's own ours / HF generate%s:\n\n"
+            % (how, args.repeats, "; *ours eager*: the same engine without compiled decode steps, timed in the "
+               "same repeats (*compiled / eager*, a median of paired ratios too)" if eager else "")) + table(
+        ["batch", "ours", *eager, "HF generate", "ratio", "ratio vs HF one at a time"],
+        [[r["batch"], r["ours_tok_s"], *([r["eager_tok_s"], r["over_eager"]] if eager else []), r["hf_tok_s"],
+          r["speedup"], r["ours_tok_s"] / hf_single if hf_single else "-"] for r in rows])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ every hit comes from a header checkpoint. The budget holds about 18 dense checkp
 half of the headers plus the traffic's prompt-end checkpoints, not for all of them, which is where
 steering each header to one replica pays. Each request asks for one token (latency = TTFT). Reported:
 token-weighted hit rate, mean and p90 TTFT, requests per replica.
+Results: loadtest/results/bench_router_cpu.json, variant the model; --out DOC replaces that variant's block in
+DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import argparse
 import json
 import time
 
-from loadtest.common import append_section, header, save, table
+from loadtest.common import start_run, table
+from loadtest.sections import publish
 from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
 
 KINDS = ("prefix", "pow2", "prefix_affinity")
@@ -48,14 +51,13 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    record = start_run("bench_router", config, argv)
     rows = [run(kind, args) for kind in KINDS]
-    md = header("Router: prefix-aware vs Ray's routers (2 replicas)", vars(args))
-    md += "\n" + table(["router", "requests", "failed", "hit rate", "TTFT mean ms", "TTFT p90 ms", "per replica"],
-                       [[r["router"], r["requests"], r["failed"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"],
-                         "/".join(map(str, r["requests_per_replica"]))] for r in rows])
-    print(md)
-    save("bench_router", {"config": vars(args), "rows": rows})
-    append_section(args.out, md)
+    md = table(["router", "requests", "failed", "hit rate", "TTFT mean ms", "TTFT p90 ms", "per replica"],
+               [[r["router"], r["requests"], r["failed"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"],
+                 "/".join(map(str, r["requests_per_replica"]))] for r in rows])
+    publish(record, args.model, {"rows": rows}, md, args.out, "Router: prefix-aware vs Ray's routers")
 
 
 if __name__ == "__main__":

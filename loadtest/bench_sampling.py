@@ -6,6 +6,8 @@ select; inverse-transform draw) against the full-sort form it replaced (`naive_t
 `torch.multinomial`, row by row), measured in the same run, at the zoo vocabulary (4096) and at the target
 models' (Qwen3-Next 151936, Kimi-Linear 163840). Logits are Gaussian with scale 4 (peaked, as a trained model's
 usually are) or 1 (flat: top-p then needs many candidates).
+Results: loadtest/results/bench_sampling_cpu.json, variant `rows-<N>`; --out DOC replaces that variant's block
+in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 import torch
 
 from app.engine.sampling import naive_token_probs, sample_rows
-from loadtest.common import append_section, header, median, save, table, timed
+from loadtest.common import median, start_run, table, timed
+from loadtest.sections import publish
 
 SETTINGS = [  # (temperature, top_p, top_k)
     (1.0, 1.0, 0), (0.7, 0.9, 0), (0.7, 1.0, 50), (0.7, 0.95, 0)]
@@ -46,9 +49,10 @@ def main(argv=None) -> None:
     p.add_argument("--draws", type=int, default=20, help="draws per timing")
     p.add_argument("--rows", type=int, default=1, help="rows drawn together (a step's sampled requests)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="append the markdown section to this file")
+    p.add_argument("--out", default=None, help="replace this run's block in this markdown file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    record = start_run("bench_sampling", {k: v for k, v in vars(args).items() if k != "out"}, argv)
     rows = []
     for vocab in args.vocab:
         for scale in args.scales:
@@ -63,18 +67,14 @@ def main(argv=None) -> None:
                 row["speedup"] = row["full_sort_ms"] / row["ours_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
-    md = header("Sampling: one token from each of %d logits rows" % args.rows, config)
-    md += ("\nMilliseconds per draw of all %d rows (median of %d repeats of %d draws). *full sort*: the form "
+    md = ("Milliseconds per draw of all %d rows (median of %d repeats of %d draws). *full sort*: the form "
            "`sample_rows` replaced (full sort for top-p, `torch.multinomial`), row by row, timed in the same run.\n\n"
            % (args.rows, args.repeats, args.draws))
     md += table(["vocab", "logit scale", "temperature", "top_p", "top_k", "ours ms", "full sort ms", "speed-up"],
                 [[r["vocab"], r["scale"], r["temperature"], r["top_p"], r["top_k"], r["ours_ms"],
                   r["full_sort_ms"], r["speedup"]] for r in rows]) + "\n"
-    print(md)
-    name = "bench_sampling" if args.rows == 1 else "bench_sampling_rows%d" % args.rows
-    save(name, {"config": config, "rows": rows})
-    append_section(args.out, md)
+    publish(record, f"rows-{args.rows}", {"rows": rows}, md, args.out, "Sampling: one token from each of N logits rows",
+            f"{args.rows} row{'s' if args.rows > 1 else ''} per draw")
 
 
 if __name__ == "__main__":

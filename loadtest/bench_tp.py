@@ -5,6 +5,8 @@ balanced) at a few W_max: checkpoint store and load time (median over repeats, t
 stage 2's all_to_all is included), units and bytes moved per rank on store, bytes per slot on the bottleneck
 rank and slots in a budget of 128 dense slots. Beside them, the plan tool's TP=8 figures for Kimi-Linear-48B
 shapes (a generated checkpoint with the real key names and shapes).
+Results: loadtest/results/bench_tp_cpu.json, variant the model; --out DOC replaces that variant's block in DOC
+(loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from app.engine.config import EngineConfig
 from app.engine.tp import build_engine
 from app.models.loader import load_model
 from loadtest import fake_checkpoints
-from loadtest.common import append_section, header, save, table
+from loadtest.common import start_run, table
+from loadtest.sections import publish
 
 
 def time_store_load(engine, repeats: int) -> tuple[float, float]:
@@ -90,19 +93,17 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    record = start_run("bench_tp", {k: v for k, v in vars(args).items() if k != "out"}, argv)
     rows = tiny_rows(args.model, args.w_max, args.repeats)
     kimi, kimi_text = kimi_tp8([16, 64, 128, 512])
-    md = header("TP=2 checkpoint placement on this machine (gloo), and TP=8 plan figures for Kimi-Linear-48B",
-                vars(args))
-    md += "\n" + table(["W_max", "placement", "units per rank", "slot width", "moved units", "sent bytes/rank",
-                        "store ms", "load ms", "bytes/slot (bottleneck)", "slots"],
-                       [[r["w_max"], r["placement"], r["units_per_rank"], r["width"], r["moved_units"],
-                         r["sent_bytes"], r["store_ms"], r["load_ms"], r["bytes_per_slot"], r["slots"]] for r in rows])
+    md = f"TP=2 over gloo, {args.model}, median of {args.repeats} stores and loads:\n\n"
+    md += table(["W_max", "placement", "units per rank", "slot width", "moved units", "sent bytes/rank",
+                 "store ms", "load ms", "bytes/slot (bottleneck)", "slots"],
+                [[r["w_max"], r["placement"], r["units_per_rank"], r["width"], r["moved_units"],
+                  r["sent_bytes"], r["store_ms"], r["load_ms"], r["bytes_per_slot"], r["slots"]] for r in rows])
     md += "\n\nKimi-Linear-48B shapes (generated checkpoint), TP=8, plan tool:\n\n"
     md += "```\n" + kimi_text.strip() + "\n```\n"
-    print(md)
-    save("bench_tp", {"config": vars(args), "rows": rows, "kimi_tp8": kimi})
-    append_section(args.out, md)
+    publish(record, args.model, {"rows": rows, "kimi_tp8": kimi}, md, args.out, "TP checkpoint placement")
 
 
 if __name__ == "__main__":
