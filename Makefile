@@ -39,7 +39,7 @@ serve: $(STAMP)
 loadtest: $(STAMP)
 	mkdir -p loadtest/results
 	$(BIN)/locust -f loadtest/locustfile.py --headless -u $(LOADTEST_USERS) -r 2 --run-time $(LOADTEST_TIME) \
-		--host $(HOST) --csv loadtest/results/locust --only-summary
+		--host $(HOST) --csv loadtest/results/make_loadtest_cpu --only-summary
 
 clean:
 	rm -rf $(VENV) build *.egg-info
