@@ -2,7 +2,9 @@
 
 The model is a zoo name (app/models/zoo/<name>) or a checkpoint directory. Several prompts (repeat --prompt,
 or --prompt-file with one JSON string per line) run in order through one engine, so later prompts hit the
-prefix cache that earlier ones filled; --json prints one object per request.
+prefix cache that earlier ones filled; --json prints one object per request. Every engine knob is a flag
+built from `app.engine.config.KNOBS` (same name with dashes, its default, choices and doc; switches that are on
+by default take `--no-...`, e.g. --no-cache).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 import torch
 
-from app.engine.config import EngineConfig
+from app.engine.config import KNOBS, EngineConfig, Knob
 from app.engine.request import SamplingParams
 from app.engine.tp import build_engine
 from app.models.loader import resolve_model_dir
@@ -33,11 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompts = _read_prompts(args)
         if not prompts:
             raise ValueError("give --prompt (repeatable) or --prompt-file")
-        cfg = EngineConfig(interval=args.interval, admission=args.admission, eviction=args.eviction,
-                           checkpoint_budget_mb=args.checkpoint_budget_mb, enable_cache=not args.no_cache,
-                           w_max=args.w_max, policy=args.policy, quant=args.quant, layout=args.layout,
-                           selector=args.selector, device=args.device, dtype=args.dtype,
-                           decode_graphs=args.decode_graphs, compile_decode=args.compile_decode)
+        cfg = engine_config(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
@@ -68,6 +66,27 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` knob, in their own group; the parsed value lands under the knob's name."""
+    group = parser.add_argument_group("engine knobs (app/engine/config.py)")
+    for k in KNOBS.values():
+        _add_knob_flag(group, k)
+
+
+def _add_knob_flag(group: argparse._ArgumentGroup, k: Knob) -> None:
+    if k.base is bool and k.default:
+        group.add_argument(k.cli_flag, dest=k.name, action="store_false", help=f"turn off: {k.doc}")
+    elif k.base is bool:
+        group.add_argument(k.cli_flag, dest=k.name, action="store_true", help=k.doc)
+    else:
+        group.add_argument(k.cli_flag, dest=k.name, type=k.base, choices=k.choices, default=k.default, help=k.doc)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the parsed knob flags describe (ValueError for a bad value)."""
+    return EngineConfig(**{name: getattr(args, name) for name in KNOBS})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.cli", description="dasc-serve command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,24 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
     g.add_argument("--json", action="store_true", help="one JSON object per request")
-    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (TP rank r on GPU N + r)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
-    g.add_argument("--decode-graphs", action="store_true", help="replay decode steps from CUDA graphs")
-    g.add_argument("--compile-decode", action="store_true", help="decode steps through torch.compile (Inductor)")
     g.add_argument("--stats", action="store_true", help="print engine telemetry to stderr at the end")
-    cache = g.add_argument_group("prefix cache")
-    cache.add_argument("--interval", type=int, default=0, help="checkpoint every N tokens (0: ends only)")
-    cache.add_argument("--admission", choices=["always", "second_hit"], default="always")
-    cache.add_argument("--eviction", choices=["lru", "flop_aware"], default="lru")
-    cache.add_argument("--checkpoint-budget-mb", type=float, default=64.0)
-    cache.add_argument("--no-cache", action="store_true", help="cold runs: no lookups, no checkpoints")
-    dasc = g.add_argument_group("dasc checkpoint compression")
-    dasc.add_argument("--w-max", type=float, default=None, help="keep units with horizon > W_max (0: all); "
-                      "omitted: dense checkpoints")
-    dasc.add_argument("--policy", choices=["nr", "wr"], default="nr", help="zero-fill or refresh omitted units")
-    dasc.add_argument("--quant", choices=["none", "int8"], default="none")
-    dasc.add_argument("--layout", choices=["ragged", "padded"], default="ragged")
-    dasc.add_argument("--selector", default="decay", help="decay | random:<seed> (count-matched baseline)")
+    add_knob_flags(g)
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on CPU)")
     g.add_argument("--placement", choices=["off", "storage", "balanced"], default="off",
                    help="TP placement of compressed checkpoints")

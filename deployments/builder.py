@@ -1,18 +1,20 @@
 """`build_app(args)`: validate the serve config's `args` and compose ingress -> router -> engine replicas.
 
 Used by `serve run configs/config.yaml` (import_path: deployments.builder:build_app). Every field is
-documented in the pydantic models below; configs/config.yaml shows them all.
+documented in the pydantic models below; `engine` takes the engine's knobs, defined once in
+app/engine/config.py. configs/config.yaml shows the fields a CPU deployment usually sets.
 """
 
 from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from app.engine.config import KNOBS, EngineConfig
 from deployments.controller import NAME as CONTROLLER_NAME
 from deployments.ingress import Ingress
 from deployments.replica import EngineReplica
@@ -29,27 +31,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineArgs(_Strict):
-    """Fields of `app.engine.config.EngineConfig` (see its docstring)."""
+_ENGINE_ARGS_DOC = """The engine's knobs, exactly the fields of `app.engine.config.EngineConfig` (see its docs).
 
-    max_running: int = Field(32, description="sequences running at once per replica")
-    chunk_size: int = Field(512, description="prefill tokens per sequence per step")
-    max_tokens_per_step: int = Field(2048, description="token budget of one engine step")
-    kv_slots: int = Field(65536, description="attention KV capacity in tokens")
-    checkpoint_budget_mb: float = Field(16.0, description="state checkpoint pool budget (MiB)")
-    interval: int = Field(0, description="checkpoint every N tokens (0: prompt ends, branches, ends)")
-    admission: str = Field("always", description="always | second_hit")
-    eviction: str = Field("lru", description="lru | flop_aware")
-    checkpoint_min_gap: int = Field(16, description="skip branch/generation-end checkpoints closer than this")
-    w_max: float | None = Field(None, description="None: dense checkpoints; a number: dasc W_max")
-    policy: str = Field("nr", description="nr | wr")
-    quant: str = Field("none", description="none | int8")
-    layout: str = Field("ragged", description="ragged | padded")
-    device: str = Field("cpu", description="cpu | cuda (a replica takes tp_size GPUs; rank r uses GPU r)")
-    dtype: str = Field("float32", description="float32 | bfloat16 weights and KV")
-    decode_graphs: bool = Field(False, description="replay decode steps from CUDA graphs (tp 1, no routed experts)")
-    compile_decode: bool = Field(False, description="decode steps through torch.compile, compiled at replica start "
-                                                    "(tp 1, no routed experts; needs a C++ compiler on the CPU)")
+Each value goes through the knob's own check, so a bad one is a validation error at `engine.<knob>`; then the
+whole goes through `EngineConfig` for the checks that join knobs (a checkpoint budget unless slots are set).
+"""
+
+
+def _engine_args() -> type[BaseModel]:
+    """`EngineArgs`, built from `app.engine.config.KNOBS`: one field per knob with its type (a Literal gives the
+    allowed values), default, lower bound and doc as description."""
+    fields = {k.name: (k.type, Field(k.default, description=k.doc, ge=k.ge)) for k in KNOBS.values()}
+    validators = {"_check_knob": field_validator(*KNOBS)(_check_knob),
+                  "_check_config": model_validator(mode="after")(_check_config)}
+    return create_model("EngineArgs", __base__=_Strict, __doc__=_ENGINE_ARGS_DOC, __validators__=validators,
+                        **fields)
+
+
+def _check_knob(cls, value, info: ValidationInfo):
+    KNOBS[info.field_name].check(value)
+    return value
+
+
+def _check_config(self):
+    EngineConfig(**self.model_dump())
+    return self
+
+
+EngineArgs = _engine_args()
 
 
 class RouterArgs(_Strict):
@@ -90,7 +99,7 @@ class ServeArgs(_Strict):
     max_ongoing_requests: int = 64
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica (1: in-process)")
     placement: str = Field("off", description="TP placement of dasc checkpoints: off | storage | balanced")
-    engine: EngineArgs = EngineArgs()
+    engine: EngineArgs = Field(default_factory=EngineArgs, description="engine knobs (app/engine/config.py)")
     router: RouterArgs = RouterArgs()
     controller: ControllerArgs = ControllerArgs()
     api: ApiArgs = ApiArgs()

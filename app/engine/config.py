@@ -1,96 +1,168 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine configuration: every knob defined once, in one frozen dataclass validated on construction.
+
+Each field of `EngineConfig` is a knob. Its annotation is its type (a `Literal` lists the allowed values, taken
+from the module that implements them) and `knob(...)` gives its default, lower bound, pattern and one-line
+doc. `KNOBS` reads them back as `Knob` records: the CLI (app/cli.py) builds its flags from them and the serve
+config (deployments/builder.py) its pydantic `EngineArgs`, so names, types, allowed values, bounds, defaults
+and docs agree by construction. docs/design.md, "Knobs", explains the choices.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from app.cache.policy import ADMISSIONS, EVICTIONS
+from app.dasc.layout import LAYOUTS, QUANTS
+from app.dasc.policy import POLICIES
+
+Admission = Literal[ADMISSIONS]
+Eviction = Literal[EVICTIONS]
+Policy = Literal[POLICIES]
+Quant = Literal[QUANTS]
+Layout = Literal[LAYOUTS]
+Dtype = Literal["float32", "bfloat16"]
+
+
+def knob(default: Any, doc: str, *, ge: float | None = None, pattern: str | None = None,
+         flag: str | None = None) -> Any:
+    """A dataclass field with its knob description: `ge` a lower bound, `pattern` a full-match regular
+    expression for strings, `flag` the CLI flag when it is not the default one (see `Knob.flag`)."""
+    return field(default=default, metadata={"knob": {"doc": doc, "ge": ge, "pattern": pattern, "flag": flag}})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of one engine (see DESIGN.md, Knobs).
+    """Knobs of one engine (docs/design.md, Knobs); each field's one-line doc is in its `knob(...)`.
 
-    max_running: sequences decoding or prefilling at once (active state slots).
-    chunk_size: most prompt tokens one sequence feeds in one step (chunked prefill).
-    max_tokens_per_step: token budget of a step, decode tokens and prefill pieces together.
-    kv_slots: attention KV capacity in tokens (one slot per token).
-    checkpoint_budget_mb: the checkpoint pool's byte budget (slots by Eq. 8); checkpoint_slots, when set,
-        sizes it by a usable slot count instead.
-    interval: checkpoint every `interval` tokens (aligned positions) in prefill and decode; 0 = only
-        prompt ends, branch points and generation ends.
-    admission: `always` or `second_hit` (prompt-end checkpoints only for prefixes seen before).
-    eviction: `lru` or `flop_aware` (Marconi) for checkpoints.
-    enable_cache: False gives cold runs: no lookups and no checkpoints.
-    w_max: None stores dense checkpoints (exact copies); a number stores dasc checkpoints keeping the units
-        whose static horizon exceeds it (0 keeps every unit through the dasc path).
-    policy: `nr` zero-fills omitted units on load, `wr` refreshes them by replaying a bounded suffix.
-    quant: `none` (fp32) or `int8` storage of retained units. layout: `ragged` or `padded`.
-    selector: `decay` or `random:<seed>` (count-matched random units, the paper's baseline).
-    store_generation_end: checkpoint where generation ended, so a conversation's next turn hits.
-    device: where the worker keeps weights, KV, states and checkpoints: `cpu`, or `cuda` (TP rank r on the
-        r-th visible GPU) or `cuda:N` (rank r on GPU N + r). dtype: `float32` or `bfloat16` weights and KV
-        (recurrent states and their checkpoints stay fp32).
-    decode_graphs: replay pure decode steps from captured CUDA graphs (app/engine/graphs.py; one worker, no
-        routed experts). On the CPU the same padded step runs eagerly: it is the tested twin, not faster.
-    compile_decode: run pure decode steps through `torch.compile` (Inductor), one compiled step per batch
-        bucket, compiled when the worker starts (same conditions as decode_graphs). On the CPU the step's few
-        hundred dispatched ops become a few fused C++ kernels and C++ GEMM kernels on frozen, pre-packed
-        weights (each bucket holds its own copy); it needs a C++ compiler.
-    checkpoint_min_gap: a branch-point, generation-end or decode-interval checkpoint is skipped when the
-        sequence already has a checkpoint fewer than this many tokens before it (a hit just above a branch
-        point, a short answer, an interval position just after the prompt end): it would nearly duplicate
-        that one, and a later request replays those few tokens instead.
+    Longer notes. checkpoint_budget_mb sizes the checkpoint pool by bytes (slots by Eq. 8) and must be >= 0
+    unless checkpoint_slots is set. w_max None stores exact copies; a number stores dasc checkpoints keeping the
+    units whose static horizon exceeds it. decode_graphs and compile_decode need one worker and no routed
+    experts; on the CPU the graph step runs eagerly (the tested twin, not faster), and the compiled step turns
+    the step's few hundred dispatched ops into a few fused C++ kernels and C++ GEMM kernels on frozen,
+    pre-packed weights, one copy per batch bucket (it needs a C++ compiler). checkpoint_min_gap skips a
+    branch-point, generation-end or decode-interval checkpoint that would nearly duplicate the sequence's last
+    one; a later request replays those few tokens instead.
     """
 
-    max_running: int = 64
-    chunk_size: int = 512
-    max_tokens_per_step: int = 2048
-    kv_slots: int = 131072
-    checkpoint_budget_mb: float | None = 64.0
-    checkpoint_slots: int | None = None
-    interval: int = 0
-    admission: str = "always"
-    eviction: str = "lru"
-    enable_cache: bool = True
-    flop_alpha: float = 0.5
-    max_model_len: int | None = None
-    w_max: float | None = None
-    policy: str = "nr"
-    quant: str = "none"
-    layout: str = "ragged"
-    selector: str = "decay"
-    store_generation_end: bool = True
-    checkpoint_min_gap: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"
-    decode_graphs: bool = False
-    compile_decode: bool = False
+    max_running: int = knob(64, "sequences decoding or prefilling at once (active state slots)", ge=1)
+    chunk_size: int = knob(512, "most prompt tokens one sequence feeds in one step (chunked prefill)", ge=1)
+    max_tokens_per_step: int = knob(2048, "token budget of a step, decode tokens and prefill pieces together", ge=1)
+    kv_slots: int = knob(131072, "attention KV capacity in tokens (one slot per token)", ge=1)
+    checkpoint_budget_mb: float | None = knob(64.0, "checkpoint pool budget in MiB (unused when checkpoint_slots "
+                                                    "is set)")
+    checkpoint_slots: int | None = knob(None, "size the checkpoint pool by usable slots instead of a budget", ge=0)
+    interval: int = knob(0, "checkpoint every N aligned tokens in prefill and decode (0: only prompt ends, branch "
+                            "points and generation ends)", ge=0)
+    admission: Admission = knob("always", "prompt-end checkpoints always, or second_hit: only for prefixes seen "
+                                          "before")
+    eviction: Eviction = knob("lru", "which checkpoint a full pool drops: lru, or flop_aware (Marconi)")
+    enable_cache: bool = knob(True, "the prefix cache's lookups and checkpoints (off: cold runs)",
+                              flag="--no-cache")
+    flop_alpha: float = knob(0.5, "flop_aware eviction's weight of recency against prefill FLOPs saved per byte")
+    max_model_len: int | None = knob(None, "longest prompt plus output in tokens (unset: the model's context length)")
+    w_max: float | None = knob(None, "dasc W_max: keep units with static horizon > W_max (0: all); unset: dense "
+                                     "checkpoints", ge=0)
+    policy: Policy = knob("nr", "omitted units on load: zero-filled (nr) or refreshed by a bounded replay (wr)")
+    quant: Quant = knob("none", "storage of retained units: fp32 (none) or int8")
+    layout: Layout = knob("ragged", "checkpoint slot layout of retained units")
+    selector: str = knob("decay", "decay, or random:<seed> (count-matched random units, the paper's baseline)",
+                         pattern=r"decay|random:.*")
+    store_generation_end: bool = knob(True, "checkpoint where generation ended, so a conversation's next turn hits")
+    checkpoint_min_gap: int = knob(16, "skip a branch, generation-end or interval checkpoint fewer than this many "
+                                       "tokens above the sequence's last one", ge=0)
+    device: str = knob("cpu", "cpu, cuda (TP rank r on the r-th visible GPU) or cuda:N (rank r on GPU N + r)",
+                       pattern=r"cpu|cuda(:\d+)?")
+    dtype: Dtype = knob("float32", "weights and KV (recurrent states and their checkpoints stay fp32)")
+    decode_graphs: bool = knob(False, "replay pure decode steps from captured CUDA graphs (app/engine/graphs.py)")
+    compile_decode: bool = knob(False, "run pure decode steps through torch.compile, compiled when the worker "
+                                       "starts")
 
     def __post_init__(self) -> None:
-        if self.admission not in ADMISSIONS:
-            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
-        if min(self.max_running, self.chunk_size, self.max_tokens_per_step, self.kv_slots) < 1:
-            raise ValueError("max_running, chunk_size, max_tokens_per_step and kv_slots must be positive")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.checkpoint_min_gap < 0:
-            raise ValueError(f"checkpoint_min_gap must be >= 0, got {self.checkpoint_min_gap}")
-        if (self.policy not in ("nr", "wr") or self.quant not in ("none", "int8")
-                or self.layout not in ("ragged", "padded")):
-            raise ValueError(f"bad dasc settings: policy {self.policy!r}, quant {self.quant!r}, layout {self.layout!r}")
-        if self.w_max is not None and self.w_max < 0:
-            raise ValueError(f"w_max must be >= 0, got {self.w_max}")
-        if not (self.selector == "decay" or self.selector.startswith("random:")):
-            raise ValueError(f"selector must be 'decay' or 'random:<seed>', got {self.selector!r}")
-        if self.interval < 0:
-            raise ValueError(f"interval must be >= 0, got {self.interval}")
+        for k in KNOBS.values():
+            k.check(getattr(self, k.name))
         if self.checkpoint_slots is None and (self.checkpoint_budget_mb is None or self.checkpoint_budget_mb < 0):
             raise ValueError("checkpoint_budget_mb must be >= 0 unless checkpoint_slots is set")
-        if self.checkpoint_slots is not None and self.checkpoint_slots < 0:
-            raise ValueError(f"checkpoint_slots must be >= 0, got {self.checkpoint_slots}")
+
+    @property
+    def checkpoint_settings(self) -> CheckpointSettings:
+        return CheckpointSettings(**{f.name: getattr(self, f.name) for f in fields(CheckpointSettings)})
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What a stored checkpoint holds (w_max, quant, layout, selector) and how many the pool keeps
+    (checkpoint_budget_mb, checkpoint_slots): the knobs whose change makes `Engine.retune` drop every stored
+    checkpoint and rebuild the pool. `policy` is not one of them: nr or wr decides how a checkpoint is loaded,
+    not what it holds. Field names are those of `EngineConfig`."""
+
+    w_max: float | None
+    quant: Quant
+    layout: Layout
+    selector: str
+    checkpoint_budget_mb: float | None
+    checkpoint_slots: int | None
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob of `EngineConfig` as its users see it. `type` is the resolved annotation (`int`,
+    `float | None`, a `Literal`, ...)."""
+
+    name: str
+    type: Any
+    default: Any
+    doc: str
+    ge: float | None = None
+    pattern: str | None = None
+    flag: str | None = None
+
+    @property
+    def choices(self) -> tuple | None:
+        """The allowed values of a Literal knob; None for any other."""
+        return typing.get_args(self.type) if typing.get_origin(self.type) is Literal else None
+
+    @property
+    def optional(self) -> bool:
+        return isinstance(self.type, types.UnionType) and type(None) in typing.get_args(self.type)
+
+    @property
+    def base(self) -> type:
+        """The Python type of a set value: `int` for `int | None`, `str` for a Literal of strings."""
+        if self.choices is not None:
+            return type(self.choices[0])
+        if isinstance(self.type, types.UnionType):
+            return next(t for t in typing.get_args(self.type) if t is not type(None))
+        return self.type
+
+    @property
+    def cli_flag(self) -> str:
+        """`flag` when given, else `--no-<name>` for a switch that is on by default, else `--<name>`
+        (underscores become dashes)."""
+        dashed = self.name.replace("_", "-")
+        return self.flag or (f"--no-{dashed}" if self.default is True else f"--{dashed}")
+
+    def check(self, value: Any) -> None:
+        """Raise ValueError, naming the knob, for None where the type has no None, a value outside the Literal,
+        below `ge`, or not matching `pattern`. Types themselves are not checked here."""
+        if value is None:
+            if not self.optional:
+                raise ValueError(f"{self.name} must be set, got None")
+            return
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name} must be one of {self.choices}, got {value!r}")
+        if self.ge is not None and value < self.ge:
+            raise ValueError(f"{self.name} must be >= {self.ge}, got {value!r}")
+        if self.pattern is not None and not re.fullmatch(self.pattern, value, re.DOTALL):
+            raise ValueError(f"{self.name} must match {self.pattern!r} ({self.doc}), got {value!r}")
+
+
+def _knobs() -> dict[str, Knob]:
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: Knob(f.name, hints[f.name], f.default, **f.metadata["knob"]) for f in fields(EngineConfig)}
+
+
+KNOBS: dict[str, Knob] = _knobs()

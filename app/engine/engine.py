@@ -61,13 +61,14 @@ class Engine:
         return FlopAwareSelect(*_flops_per_token(self.model), self.worker.codec.bytes_per_slot, cfg.flop_alpha)
 
     def retune(self, **changes) -> None:
-        """Apply new cache settings (w_max, policy, quant, layout, selector, interval, ...) between steps.
+        """Apply new knobs between steps: flat `EngineConfig` fields (w_max, policy, quant, layout, selector,
+        interval, ...).
 
-        A change of what a checkpoint holds drops every stored checkpoint and rebuilds the pool within the same
-        budget (KV pages stay): one pool never mixes layouts. Running sequences keep their active states."""
+        A change of `cfg.checkpoint_settings` (what a checkpoint holds, or the pool's size) drops every stored
+        checkpoint and rebuilds the pool (KV pages stay): one pool never mixes layouts. Any other change, a
+        policy change included, keeps the checkpoints. Running sequences keep their active states."""
         new = replace(self.cfg, **changes)
-        codec_keys = ("w_max", "quant", "layout", "selector", "checkpoint_budget_mb", "checkpoint_slots")
-        if any(getattr(new, k) != getattr(self.cfg, k) for k in codec_keys):
+        if new.checkpoint_settings != self.cfg.checkpoint_settings:
             for node in self.cache.tree.nodes():
                 node.checkpoint = None
             self.worker.configure_checkpoints(new)

@@ -1,0 +1,158 @@
+"""Engine knobs are defined once: the CLI's flags and the serve config's `EngineArgs` come from `KNOBS` with the
+same names, defaults and allowed values; bad values are refused naming the knob; `Engine.retune` drops stored
+checkpoints only when `checkpoint_settings` changes."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import fields, replace
+
+import pytest
+from pydantic import ValidationError
+
+from app.cli import build_parser, engine_config
+from app.engine.config import KNOBS, CheckpointSettings, EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
+from deployments.builder import EngineArgs, ServeArgs
+from tests.helpers import load_zoo
+
+
+def _parse(*flags: str):
+    return build_parser().parse_args(["generate", *flags])
+
+
+def _bad_values(k) -> list:
+    """Values the knob's own definition refuses: outside its Literal, below its bound, off its pattern."""
+    out = []
+    if k.choices is not None or k.pattern is not None:
+        out.append("bogus")
+    if k.ge is not None:
+        out.append(k.ge - 1)
+    return out
+
+
+BAD_CASES = [(k.name, v) for k in KNOBS.values() for v in _bad_values(k)]
+
+
+def test_knobs_are_the_config_fields():
+    assert list(KNOBS) == [f.name for f in fields(EngineConfig)]
+    assert all(k.doc and "\n" not in k.doc for k in KNOBS.values())
+    assert {f.name for f in fields(CheckpointSettings)} <= set(KNOBS)
+    assert BAD_CASES, "some knobs have Literals, bounds or patterns"
+
+
+def test_cli_defaults_are_the_config_defaults():
+    assert engine_config(_parse()) == EngineConfig()
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_every_knob_is_a_cli_flag_with_its_choices(name):
+    k = KNOBS[name]
+    if k.base is bool:
+        assert getattr(_parse(k.cli_flag), name) is (not k.default)
+        return
+    values = k.choices or [k.base(1) if k.default is None else k.default]
+    for value in values:
+        assert getattr(_parse(k.cli_flag, str(value)), name) == value
+    if k.choices is not None:
+        with pytest.raises(SystemExit):
+            _parse(k.cli_flag, "bogus")
+
+
+def test_todays_cli_flags_keep_their_meaning():
+    args = _parse("--interval", "32", "--admission", "second_hit", "--eviction", "flop_aware",
+                  "--checkpoint-budget-mb", "8", "--no-cache", "--w-max", "16", "--policy", "wr", "--quant", "int8",
+                  "--layout", "padded", "--selector", "random:3", "--device", "cpu", "--dtype", "bfloat16",
+                  "--decode-graphs", "--compile-decode", "--max-tokens", "5")
+    assert engine_config(args) == EngineConfig(
+        interval=32, admission="second_hit", eviction="flop_aware", checkpoint_budget_mb=8.0, enable_cache=False,
+        w_max=16.0, policy="wr", quant="int8", layout="padded", selector="random:3", device="cpu", dtype="bfloat16",
+        decode_graphs=True, compile_decode=True)
+    assert args.max_tokens == 5
+
+
+@pytest.mark.parametrize("name", list(KNOBS))
+def test_engine_args_field_is_the_knob(name):
+    k, f = KNOBS[name], EngineArgs.model_fields[name]
+    assert f.default == k.default and f.description == k.doc
+    assert f.annotation == k.type
+    if k.choices is not None:
+        assert typing.get_args(f.annotation) == k.choices
+        for value in k.choices:
+            assert getattr(ServeArgs(engine={name: value}).engine, name) == value
+
+
+def test_engine_args_are_exactly_the_knobs():
+    assert list(EngineArgs.model_fields) == list(KNOBS)
+    assert EngineConfig(**EngineArgs().model_dump()) == EngineConfig()
+    with pytest.raises(ValidationError) as err:
+        ServeArgs(engine={"no_such_knob": 1})
+    assert err.value.errors()[0]["loc"] == ("engine", "no_such_knob")
+
+
+@pytest.mark.parametrize("name, value", BAD_CASES)
+def test_bad_values_are_refused_naming_the_knob(name, value):
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**{name: value})
+    with pytest.raises(ValidationError) as err:
+        ServeArgs(engine={name: value})
+    assert [e["loc"] for e in err.value.errors()] == [("engine", name)]
+
+
+def test_checks_that_join_knobs_run_at_the_boundary():
+    with pytest.raises(ValueError, match="checkpoint_budget_mb"):
+        EngineConfig(checkpoint_budget_mb=None)
+    with pytest.raises(ValidationError, match="checkpoint_budget_mb"):
+        ServeArgs(engine={"checkpoint_budget_mb": None})
+    assert ServeArgs(engine={"checkpoint_budget_mb": None, "checkpoint_slots": 4}).engine.checkpoint_slots == 4
+    with pytest.raises(ValueError, match="max_running"):
+        EngineConfig(max_running=None)
+
+
+def test_checkpoint_settings_group_what_a_checkpoint_holds():
+    base = EngineConfig(w_max=16)
+    assert base.checkpoint_settings == EngineConfig(w_max=16.0, policy="wr", interval=64).checkpoint_settings
+    for change in ({"w_max": 32}, {"quant": "int8"}, {"layout": "padded"}, {"selector": "random:1"},
+                   {"checkpoint_slots": 4}, {"checkpoint_budget_mb": 1.0}):
+        assert replace(base, **change).checkpoint_settings != base.checkpoint_settings
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return load_zoo("kda-tiny")
+
+
+def _stored(engine: Engine) -> int:
+    return sum(node.checkpoint is not None for node in engine.cache.tree.nodes())
+
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_retune_policy_keeps_checkpoints(zoo):
+    model, tok = zoo
+    prompt = tok.encode(open(__file__).read())[:160]
+    engine = Engine(model, tok, EngineConfig(w_max=16, checkpoint_slots=8))
+    engine.generate([prompt], PARAMS)
+    stored = _stored(engine)
+    assert stored > 0
+    engine.retune(policy="wr", interval=32)
+    assert _stored(engine) == stored and engine.snapshot()["dasc"]["policy"] == "wr"
+    assert engine.generate([prompt], PARAMS)[0][0].cached_tokens > 0
+    assert engine.snapshot()["wr_replay_tokens"] > 0
+
+
+@pytest.mark.parametrize("change", [{"w_max": 32}, {"quant": "int8"}, {"layout": "padded"}, {"w_max": None}])
+def test_retune_of_what_a_checkpoint_holds_drops_them(zoo, change):
+    model, tok = zoo
+    prompt = tok.encode(open(__file__).read())[:160]
+    cfg = EngineConfig(w_max=16, checkpoint_slots=8)
+    engine = Engine(model, tok, cfg)
+    engine.generate([prompt], PARAMS)
+    assert _stored(engine) > 0
+    engine.retune(**change)
+    assert _stored(engine) == 0 and engine.cfg == replace(cfg, **change)
+    engine.generate([prompt], PARAMS)
+    assert _stored(engine) > 0
+    engine.check_integrity()
