@@ -16,6 +16,7 @@ objects alive then are frozen out of garbage collection (`_freeze_heap`), as vLL
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import threading
 import uuid
@@ -135,6 +136,10 @@ def _freeze_heap() -> None:
     """Move every object alive once the engine is built (imported modules, the model, compiled code: about 800k
     objects with compiled decode steps) out of the collector's generations. A full collection would otherwise
     walk all of them, holding the step loop (and the GIL) for the whole walk, whenever enough new objects have
-    survived since the last one."""
+    survived since the last one. At exit they go back to the collector, so that the interpreter's finalization
+    frees them: nanobind (Triton's bindings, loaded by torch.compile and transformers) reports each of its objects
+    still alive then as leaked."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once per process, however many engines
+    atexit.register(gc.unfreeze)

@@ -2,8 +2,10 @@
 
 Data: the Python standard library on this machine (held out by file) mixed with generated retrieval snippets,
 through a curriculum of phases (short pure-snippet blocks first, then longer mixed blocks). Answer tokens of
-snippets get `--answer-weight` in the loss. The run is time-budgeted: the learning-rate schedule and the
-phases follow the fraction of `--minutes` spent, so a resumed run (`--resume`) continues the same schedule.
+snippets get `--answer-weight` in the loss. The run has a time budget (`--minutes`) and, optionally, a step
+budget (`--max-steps`): the learning-rate schedule and the phases follow the fraction spent of whichever budget is
+nearer its end, the run stops when that fraction reaches 1, and a resumed run (`--resume`) continues the same
+schedule.
 Every `--save-every` minutes it writes `OUT/state.pt` (model, optimizer, clock, step); at the end it writes
 the checkpoint directory `OUT/model` (config.json, model.safetensors, tokenizer files) and the log.
 """
@@ -108,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
+    p.add_argument("--max-steps", type=_positive_int, default=None,
+                   help="optimizer-step budget, steps before a resume included (the run stops at whichever of "
+                        "--minutes and --max-steps is spent first)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--answer-weight", type=float, default=4.0)
@@ -157,8 +162,7 @@ def main(argv=None) -> Path:
     last_save = last_eval = clock["elapsed"]
     bar = tqdm(total=int(budget), initial=int(clock["elapsed"]), unit="s", desc=args.preset, mininterval=10)
     model.train()
-    while clock["elapsed"] < budget:
-        frac = clock["elapsed"] / budget
+    while (frac := _progress(clock, budget, args.max_steps)) < 1.0:
         if phase_at(frac, args.curriculum) != phase:
             phase = phase_at(frac, args.curriculum)
             stream = TrainingStream(tokenizer, phase.seq_len, seed=args.seed * 1000 + clock["step"],
@@ -189,7 +193,7 @@ def main(argv=None) -> Path:
         record = {"step": clock["step"], "elapsed_s": round(clock["elapsed"], 2), "tokens": clock["tokens"],
                   "loss": round(plain.item(), 4), "weighted_loss": round(loss.item(), 4), "lr": lr,
                   "grad_norm": round(grad_norm, 3), "seq_len": phase.seq_len, "answer_acc": answer_acc}
-        if clock["elapsed"] - last_eval >= args.eval_every * 60 or clock["elapsed"] >= budget:
+        if clock["elapsed"] - last_eval >= args.eval_every * 60 or _progress(clock, budget, args.max_steps) >= 1.0:
             record["held_out_loss"] = round(held_out_loss(model, held_out), 4)
             last_eval = clock["elapsed"]
             tqdm.write(f"step {clock['step']} tokens {clock['tokens']} held-out loss {record['held_out_loss']}")
@@ -207,6 +211,18 @@ def main(argv=None) -> Path:
     _write_json(args.out / "clock.json", clock)
     print(f"saved {out} after {clock['step']} steps, {clock['tokens']} tokens")
     return out
+
+
+def _progress(clock: dict, budget_s: float, max_steps: int | None) -> float:
+    """The fraction of the run spent: of the time budget, or of the step budget when that is further along."""
+    return max(clock["elapsed"] / budget_s, clock["step"] / max_steps if max_steps else 0.0)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _write_json(path: Path, obj) -> None:

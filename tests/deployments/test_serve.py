@@ -1,9 +1,14 @@
 """Integration: the built app on a real local Ray Serve (loopback), real HTTP, the official openai client.
 
-Two replicas of kda-tiny behind the prefix-aware router. Checks the OpenAI API (completion, chat,
-streaming, cached_tokens), errors (400/401/413), /metrics, prefix affinity after the stats refresh and the
-request ratio under skew; then a second deployment whose working set exceeds dense capacity, where the
-tuning controller must move off dense within a bounded number of windows.
+Two replicas of kda-tiny behind the prefix-aware router. Checks the OpenAI API through the ingress and the
+replicas' streams (completion, chat, streaming, cached_tokens on the prefix's replica), /metrics and /status
+from the replicas' telemetry, prefix affinity after the stats refresh and the request ratio under skew; then a
+second deployment whose working set exceeds dense capacity, where the tuning controller must move off dense
+within a bounded number of windows. The routes alone (errors, echo, n > 1, include_usage) are tested
+in-process in tests/api.
+
+Waits poll an observable condition until a deadline, never sleep a fixed time; the deadlines are generous,
+so that a loaded machine only makes the tests slower.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 import httpx
 import pytest
 import ray
-from openai import BadRequestError, OpenAI
+from openai import OpenAI
 from ray import serve
 
 from deployments import controller as controller_mod
@@ -32,27 +37,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, timeout: float = 120.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def _wait_for(condition, what: str, timeout: float = 300.0):
+    """Poll `condition()` until it returns something truthy (returned) or `timeout` seconds passed (TimeoutError).
+    HTTP errors while polling count as not yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+            if result := condition():
+                return result
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} within {timeout:.0f} s")
+
+
+def _get(url: str) -> httpx.Response:
+    return httpx.get(url, timeout=30)
+
+
+def _wait_ready(url: str) -> None:
+    _wait_for(lambda: _get(f"{url}/health").status_code == 200, f"{url}/health answers")
+
+
+def _replicas(url: str) -> dict:
+    """Each replica's latest telemetry snapshot, as the controller holds it (/status), by replica id."""
+    return _get(f"{url}/status").json()["replicas"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +88,7 @@ def server(cluster):
     })
     serve.run(app, name="dasc", route_prefix="/")
     _wait_ready(cluster)
+    _wait_for(lambda: len(_replicas(cluster)) == 2, "both replicas push telemetry")
     yield cluster
     serve.delete("dasc")
     _kill_controller()
@@ -79,7 +102,7 @@ def _kill_controller() -> None:
 
 
 def _client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=180)
 
 
 def _prompt(seed: int, n: int = 300) -> str:
@@ -120,35 +143,19 @@ def test_repeated_prefix_reports_cached_tokens(server):
     assert second.system_fingerprint == first.system_fingerprint  # the router kept the prefix's replica
 
 
-def test_bad_inputs_get_openai_errors(server):
-    h = {"Authorization": f"Bearer {KEY}"}
-    url = f"{server}/v1/completions"
-    cases = [({"prompt": "x", "max_tokens": -1}, 400), ({"prompt": "x", "temperature": 9}, 400),
-             ({"prompt": ""}, 400), ({"prompt": "x", "max_tokens": 65}, 400), ({"max_tokens": 3}, 400),
-             ({"prompt": "x " * 2100}, 413), ({"prompt": "x", "top_p": 0}, 400), ({"prompt": [[]]}, 400)]
-    for body, status in cases:
-        r = httpx.post(url, json=body, headers=h, timeout=30)
-        assert r.status_code == status, (body, r.text)
-        assert r.json()["error"]["message"], body
-    r = httpx.post(url, content=b"{oops", headers={**h, "content-type": "application/json"}, timeout=30)
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    assert httpx.post(url, json={"prompt": "x"}, timeout=30).status_code == 401
-    wrong_key = {"Authorization": "Bearer nope"}
-    assert httpx.post(url, json={"prompt": "x"}, headers=wrong_key, timeout=30).status_code == 401
-    big = httpx.post(url, content=b"x" * (2 << 20), headers={**h, "content-type": "application/json"}, timeout=30)
-    assert big.status_code == 413
-    with pytest.raises(BadRequestError):
-        _client(server).chat.completions.create(model="kda-tiny", messages=[], max_tokens=4)
-
-
 def test_metrics_expose_hit_rate_slots_and_ttft(server):
     c = _client(server)
     c.completions.create(model="kda-tiny", prompt=_prompt(2), max_tokens=2, temperature=0)
-    time.sleep(1.5)  # replicas push a telemetry window every window_s
-    text = httpx.get(f"{server}/metrics", timeout=30).text
-    for name in ("dasc_engine_hit_rate", "dasc_engine_checkpoint_slots", "dasc_ttft_seconds_bucket"):
+    names = ("dasc_engine_hit_rate", "dasc_engine_checkpoint_slots", "dasc_ttft_seconds_bucket")
+
+    def metrics_with_all_names() -> str | None:  # the engine gauges come from the replicas' telemetry windows
+        text = _get(f"{server}/metrics").text
+        return text if all(name in text for name in names) else None
+
+    text = _wait_for(metrics_with_all_names, "/metrics shows the engine gauges and the TTFT histogram")
+    for name in names:
         assert name in text, name
-    status = httpx.get(f"{server}/status", timeout=30).json()
+    status = _get(f"{server}/status").json()
     assert len(status["replicas"]) == 2
 
 
@@ -158,12 +165,21 @@ def test_prefix_affinity_after_stats_refresh(server):
     home = {}
     for p in (a, b):
         home[p] = c.completions.create(model="kda-tiny", prompt=p, max_tokens=1, temperature=0).system_fingerprint
-    time.sleep(1.5)  # digests now show both prefixes
+    _wait_digests(server, {fp.removeprefix("dasc-") for fp in home.values()}, since=time.time())
     for i in range(6):
         p = (a, b)[i % 2]
         r = c.completions.create(model="kda-tiny", prompt=p + f"\nextra_{i} = {i}", max_tokens=1, temperature=0)
         assert r.system_fingerprint == home[p], i
         assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def _wait_digests(url: str, replicas: set[str], since: float) -> None:
+    """Wait until each of `replicas` has published telemetry taken after `since` (the controller's clock: same
+    machine). Its checkpoints of the prefixes served before `since` are then in that snapshot; the replicas
+    publish their routing digests on the same period (stats_period_s = window_s = 0.5 s here), and until a
+    digest shows a prefix the router remembers where it sent that prefix's blocks."""
+    _wait_for(lambda: all(_replicas(url).get(r, {}).get("reported_at", 0.0) > since for r in replicas),
+              f"replicas {sorted(replicas)} publish telemetry")
 
 
 def test_skewed_workload_stays_balanced(server):
@@ -188,11 +204,11 @@ def test_controller_moves_off_dense_under_pressure(cluster, server):
     })
     serve.run(app, name="dasc", route_prefix="/")
     _wait_ready(cluster)
-    c = OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, timeout=60)
+    c = OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, timeout=180)
     prompts = [_prompt(200 + i, 240) for i in range(8)]  # working set: 8 prefixes > 3 dense slots
-    deadline = time.time() + 90
+    deadline = time.monotonic() + 300
     moved, state = False, None
-    while time.time() < deadline and not moved:
+    while time.monotonic() < deadline and not moved:
         for p in prompts:
             c.completions.create(model="kda-tiny", prompt=p, max_tokens=1, temperature=0)
         try:  # the replica creates the controller with its first telemetry window
