@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from app.models.geometry import UnitGeometry
+
 STATIC_A = -0.3
 EPS = 1e-3
 
@@ -26,17 +28,10 @@ def static_horizons(A_log: torch.Tensor, dt_bias: torch.Tensor, a: float = STATI
     return h[:, 0] if h.shape[1] == 1 else h
 
 
-def model_geometry(model) -> list:
-    """UnitGeometry of every linear-attention layer of one of our models (KDA: per channel, GDN: per head)."""
-    from app.dasc.selection import UnitGeometry
-
-    out = []
-    for i in model.linear_layers:
-        mixer = model.model.layers[i].mixer
-        (_, _), (heads, d_k, d_v) = mixer.state_shapes()
-        kda = hasattr(mixer, "forget_gate")
-        out.append(UnitGeometry(i, "kda" if kda else "gdn", heads, d_k, d_v, 1 if kda else mixer.r))
-    return out
+def model_geometry(model) -> list[UnitGeometry]:
+    """UnitGeometry of every linear-attention layer of one of our models (KDA: per channel, GDN: per head): the
+    geometry its family config derived, as the mixers hold it (a TP shard's mixers hold their rank's share)."""
+    return [model.model.layers[i].mixer.geometry.units for i in model.linear_layers]
 
 
 def model_horizons(model) -> list[torch.Tensor]:

@@ -3,10 +3,11 @@
     python -m app.dasc.plan MODEL_DIR --w-max 16 64 128 512 --tp 8 [--budget-bytes B] [--json] [--plot OUT_DIR]
 
 Only `A_log` and `dt_bias` of the recurrent layers are read (lazily, one shard at a time, via the shard index
-when there is one); no projection, expert or embedding weight is touched. Names and geometry:
+when there is one); no projection, expert or embedding weight is touched. The geometry is the family config
+class's `recurrent_geometry()` (app.models.geometry), built from config.json as the loader reads it:
 
     Kimi-Linear  model.layers.{i}.self_attn[.forget_gate].{A_log [1,1,H,1] or [H], dt_bias [H*K]}
-                 KDA layers: linear_attn_config.kda_layers (1-indexed) or layer_types; unit = (head, channel)
+                 KDA layers: layer_types or linear_attn_config.kda_layers (1-indexed); unit = (head, channel)
                  conv: q, k, v short convs, C = 3*H*K channels, window short_conv_kernel_size - 1
     Qwen3-Next   model.layers.{i}.linear_attn.{A_log [Hv], dt_bias [Hv]}
                  GDN layers: layer_types or full_attention_interval; unit = value head; TP bundle = Hv / Hk
@@ -28,7 +29,6 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -36,8 +36,9 @@ from app.dasc.horizons import static_horizons
 from app.dasc.layout import slot_bytes, slots_for_budget
 from app.dasc.placement import MODES, plan_placement
 from app.dasc.plots import write_plots
-from app.dasc.selection import SelectionPlan, UnitGeometry, decay_plan
-from app.models.loader import checkpoint_files, read_config, read_tensors, resolve_model_dir
+from app.dasc.selection import SelectionPlan, decay_plan
+from app.models.geometry import RecurrentGeometry, UnitGeometry
+from app.models.loader import checkpoint_files, family_config, read_config, read_tensors, resolve_model_dir
 
 CONV_ELEM_BYTES = 2  # BF16 conv windows (the paper's mixed-precision checkpoint)
 DEFAULT_W_MAX = (16, 64, 128, 512, 1024)
@@ -73,100 +74,39 @@ class RecurrentCheckpoint:
         return decay_plan(list(self.geometry), list(self.horizons), w_max)
 
 
-class StateLayout(NamedTuple):
-    """Recurrent-state geometry from config.json: recurrent decoder layers (0-indexed), unit kind, heads, d_k, d_v,
-    TP bundle, conv channels and kernel, and where the decay tensors sit under model.layers.{i}."""
-
-    layers: list[int]
-    kind: str
-    heads: int
-    d_k: int
-    d_v: int
-    bundle: int
-    conv_channels: int
-    conv_kernel: int
-    prefixes: tuple[str, ...]
-
-    @property
-    def units_per_head(self) -> int:
-        return self.d_k if self.kind == "kda" else 1
-
-
 def read_checkpoint(model_dir: str | Path) -> RecurrentCheckpoint:
-    """Geometry from config.json, horizons from the decay tensors (the only tensors read)."""
+    """Geometry from config.json (through the family config class), horizons from the decay tensors (the only
+    tensors read)."""
     model_dir = resolve_model_dir(model_dir)
     cfg = read_config(model_dir)
-    family = cfg.get("model_type")
-    if family not in _LAYOUTS:
-        raise ValueError(f"unsupported model_type {family!r}; supported: {sorted(_LAYOUTS)}")
     try:
-        lay = _LAYOUTS[family](cfg)
+        config = family_config(cfg)
     except KeyError as e:
-        raise ValueError(f"{model_dir}/config.json lacks {e} for {family}") from None
-    if not lay.layers:
+        raise ValueError(f"{model_dir}/config.json lacks {e} for {cfg.get('model_type')}") from None
+    layers = config.recurrent_geometry()
+    if not layers:
         raise ValueError(f"{model_dir}/config.json names no linear-attention layers")
     available = set(checkpoint_files(model_dir))
-    names = [(_find(available, i, lay.prefixes, "A_log"), _find(available, i, lay.prefixes, "dt_bias"))
-             for i in lay.layers]
+    names = [(_find(available, geo, "A_log"), _find(available, geo, "dt_bias")) for geo in layers]
     raw = read_tensors(model_dir, [n for pair in names for n in pair])
-    geometry, horizons = [], []
-    for i, (a_name, dt_name) in zip(lay.layers, names):
-        a, dt = raw[a_name], raw[dt_name]
-        if a.numel() != lay.heads or dt.numel() != lay.heads * lay.units_per_head:
+    horizons = []
+    for geo, (a_name, dt_name) in zip(layers, names):
+        a, dt, units = raw[a_name], raw[dt_name], geo.units
+        if a.numel() != units.heads or dt.numel() != units.num_units:
             raise ValueError(f"{a_name} {tuple(a.shape)} / {dt_name} {tuple(dt.shape)}: config.json implies "
-                             f"{lay.heads} and {lay.heads * lay.units_per_head} values")
-        geometry.append(UnitGeometry(i, lay.kind, lay.heads, lay.d_k, lay.d_v, lay.bundle))
+                             f"{units.heads} and {units.num_units} values")
         horizons.append(static_horizons(a, dt))
-    return RecurrentCheckpoint(model_dir, family, cfg["num_hidden_layers"], tuple(geometry), tuple(horizons),
-                               lay.conv_channels, lay.conv_kernel - 1, tuple(n for pair in names for n in pair))
+    return RecurrentCheckpoint(model_dir, config.model_type, config.num_hidden_layers,
+                               tuple(geo.units for geo in layers), tuple(horizons), layers[0].conv_channels,
+                               layers[0].conv_window, tuple(n for pair in names for n in pair))
 
 
-def _kimi_layout(cfg: dict) -> StateLayout:
-    """Hub layout (`linear_attn_config`, 1-indexed `kda_layers`) or transformers' (`layer_types`, linear_*)."""
-    lin, n = cfg.get("linear_attn_config") or {}, cfg["num_hidden_layers"]
-    heads = lin.get("num_heads") or cfg.get("linear_num_heads")
-    head_dim = lin.get("head_dim") or cfg.get("linear_head_dim")
-    kernel = lin.get("short_conv_kernel_size") or cfg.get("linear_conv_kernel_dim") or 4
-    if not heads or not head_dim:
-        raise ValueError("kimi_linear config.json lacks linear_attn_config.num_heads / head_dim")
-    if lin.get("kda_layers") is not None:
-        bad = [j for j in lin["kda_layers"] if not 1 <= j <= n]
-        if bad:
-            raise ValueError(f"linear_attn_config.kda_layers is 1-indexed over {n} layers; out of range: {bad}")
-        layers = sorted(j - 1 for j in lin["kda_layers"])
-    elif cfg.get("layer_types"):
-        layers = [i for i, t in enumerate(cfg["layer_types"]) if t == "linear_attention"]
-    elif lin.get("full_attn_layers") is not None:
-        layers = [i for i in range(n) if i + 1 not in set(lin["full_attn_layers"])]
-    else:
-        raise ValueError("kimi_linear config.json names no KDA layers (linear_attn_config.kda_layers or layer_types)")
-    return StateLayout(layers, "kda", heads, head_dim, head_dim, 1, 3 * heads * head_dim, kernel,
-                       ("self_attn.", "self_attn.forget_gate."))
-
-
-def _qwen_layout(cfg: dict) -> StateLayout:
-    """`layer_types`, else every `full_attention_interval`-th layer (1-indexed) is full attention."""
-    n, interval = cfg["num_hidden_layers"], cfg.get("full_attention_interval", 4)
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                       for i in range(n)]
-    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    if hv % hk:
-        raise ValueError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
-    layers = [i for i, t in enumerate(types) if t == "linear_attention"]
-    return StateLayout(layers, "gdn", hv, dk, dv, hv // hk, 2 * hk * dk + hv * dv,
-                       cfg.get("linear_conv_kernel_dim", 4), ("linear_attn.",))
-
-
-_LAYOUTS = {"kimi_linear": _kimi_layout, "qwen3_next": _qwen_layout}
-
-
-def _find(available: set[str], layer: int, prefixes: tuple[str, ...], leaf: str) -> str:
-    tried = [f"model.layers.{layer}.{p}{leaf}" for p in prefixes]
+def _find(available: set[str], geo: RecurrentGeometry, leaf: str) -> str:
+    tried = list(geo.decay_names(leaf))
     for name in tried:
         if name in available:
             return name
-    raise ValueError(f"layer {layer}: no decay tensor {leaf} in the checkpoint (looked for {tried})")
+    raise ValueError(f"layer {geo.layer}: no decay tensor {leaf} in the checkpoint (looked for {tried})")
 
 
 def check_tp(ckpt: RecurrentCheckpoint, tp: int) -> None:

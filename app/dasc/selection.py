@@ -7,7 +7,8 @@ n_l / r_l are the total / retained units of layer l; the ragged layout packs lay
 offsets [o_l, o_l + r_l) with o_0 = 0, o_{l+1} = o_l + r_l.
 
 The count-matched random selector keeps, per layer, the same r_l units drawn uniformly with a seed: same
-compression, no decay awareness (the paper's Random baseline).
+compression, no decay awareness (the paper's Random baseline). Layer shapes (`UnitGeometry`) come from the
+family configs through `app.models.geometry`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 from dataclasses import dataclass
 
 import torch
+
+from app.models.geometry import UnitGeometry
 
 
 @dataclass(frozen=True)
@@ -109,18 +112,6 @@ class SelectionPlan:
         layers = tuple(LayerPlan(lp["layer"], lp["kind"], lp["heads"], lp["d_k"], lp["d_v"], tuple(lp["keep"]),
                                  tuple(lp["horizons"]), lp.get("bundle", 1)) for lp in d["layers"])
         return cls(d["w_max"], d["selector"], layers)
-
-
-@dataclass(frozen=True)
-class UnitGeometry:
-    """Shape of one recurrent layer's state: decoder layer index, kind, heads, d_k, d_v, TP bundle size."""
-
-    layer: int
-    kind: str
-    heads: int
-    d_k: int
-    d_v: int
-    bundle: int = 1
 
 
 def decay_plan(geometry: list[UnitGeometry], horizons: list[torch.Tensor], w_max: float) -> SelectionPlan:

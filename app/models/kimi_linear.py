@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.batch import AttentionKV, BatchLayout
+from app.models.geometry import RecurrentGeometry, UnitGeometry
 from app.models.hybrid import DecoderLayer, HybridForCausalLM
 from app.models.layers import MLP, Experts, RMSNorm, RMSNormGated, attend, stacked_linear
 from app.models.recurrent import recurrent_mix
@@ -24,6 +25,21 @@ def _pick(d: dict, *names, default=None):
         if n in d and d[n] is not None:
             return d[n]
     return default
+
+
+def _hub_layer_types(lin: dict, n: int) -> list[str]:
+    """Layer types from a hub `linear_attn_config` (1-indexed `kda_layers` or `full_attn_layers`), else the
+    transformers default: full attention at layers 4, 8, ... (0-indexed)."""
+    if lin.get("kda_layers") is not None:
+        bad = [j for j in lin["kda_layers"] if not 1 <= j <= n]
+        if bad:
+            raise ValueError(f"linear_attn_config.kda_layers is 1-indexed over {n} layers; out of range: {bad}")
+        kda = set(lin["kda_layers"])
+        return ["linear_attention" if i + 1 in kda else "full_attention" for i in range(n)]
+    if lin.get("full_attn_layers") is not None:
+        full = set(lin["full_attn_layers"])
+        return ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -61,17 +77,25 @@ class KimiLinearConfig:
         if len(self.layer_types) != self.num_hidden_layers or len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ValueError("layer_types and mlp_layer_types need one entry per layer")
 
+    def recurrent_geometry(self) -> tuple[RecurrentGeometry, ...]:
+        """Every KDA layer: H heads of [d_k, d_k] state (unit: one key channel of one head), a short conv over
+        q, k and v (3 * H * d_k channels); decay tensors on self_attn (hub) or self_attn.forget_gate (runtime)."""
+        h, k = self.linear_num_heads, self.linear_head_dim
+        return tuple(
+            RecurrentGeometry(UnitGeometry(i, "kda", h, k, k), 3 * h * k, self.linear_conv_kernel_dim,
+                              (f"model.layers.{i}.self_attn.", f"model.layers.{i}.self_attn.forget_gate."))
+            for i, kind in enumerate(self.layer_types) if kind == "linear_attention"
+        )
+
     @classmethod
     def from_dict(cls, d: dict) -> "KimiLinearConfig":
-        """Reads both the transformers layout and the hub layout (`linear_attn_config`, `first_k_dense_replace`)."""
+        """Reads both the transformers layout and the hub layout (`linear_attn_config`, `first_k_dense_replace`).
+        Layer types: `layer_types`, else the 1-indexed `kda_layers`, else `full_attn_layers`, else every 4th."""
         n = d["num_hidden_layers"]
         lin = d.get("linear_attn_config") or {}
         layer_types = d.get("layer_types")
-        if layer_types is None and "full_attn_layers" in lin:
-            full = set(lin["full_attn_layers"])  # 1-indexed in hub checkpoints
-            layer_types = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
         if layer_types is None:
-            layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+            layer_types = _hub_layer_types(lin, n)
         mlp_types = d.get("mlp_layer_types")
         if mlp_types is None:
             k = d.get("first_k_dense_replace", 1)
@@ -102,9 +126,9 @@ class KimiLinearConfig:
 class KimiForgetGate(nn.Module):
     """Per-channel log decay g = -exp(A_log[h]) * softplus(f_b(f_a(x))[h, k] + dt_bias[h, k])."""
 
-    def __init__(self, cfg: KimiLinearConfig) -> None:
+    def __init__(self, cfg: KimiLinearConfig, geo: RecurrentGeometry) -> None:
         super().__init__()
-        h, k = cfg.linear_num_heads, cfg.linear_head_dim
+        h, k = geo.units.heads, geo.units.d_k
         self.f_a_proj = nn.Linear(cfg.hidden_size, k, bias=False)
         self.f_b_proj = nn.Linear(k, h * k, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h * k))
@@ -118,27 +142,30 @@ class KimiForgetGate(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    """Channel-wise gated delta rule over q, k, v of H heads of dimension K (`geo.units`: d_k = d_v = K)."""
+
     is_linear = True
 
-    def __init__(self, cfg: KimiLinearConfig) -> None:
+    def __init__(self, cfg: KimiLinearConfig, geo: RecurrentGeometry) -> None:
         super().__init__()
-        self.heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
+        self.geometry = geo
+        self.heads, self.head_dim = geo.units.heads, geo.units.d_k
         dim = self.heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, dim, bias=False)
-        self.conv1d = nn.Conv1d(3 * dim, 3 * dim, cfg.linear_conv_kernel_dim, groups=3 * dim, bias=False)
-        self.forget_gate = KimiForgetGate(cfg)
+        c = geo.conv_channels
+        self.conv1d = nn.Conv1d(c, c, geo.conv_kernel, groups=c, bias=False)
+        self.forget_gate = KimiForgetGate(cfg, geo)
         self.b_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
         self.g_a_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.g_b_proj = nn.Linear(self.head_dim, dim, bias=False)
         self.o_norm = RMSNormGated(self.head_dim, cfg.rms_norm_eps, "sigmoid")
         self.o_proj = nn.Linear(dim, cfg.hidden_size, bias=False)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(conv state [C, W-1], delta-rule state [H, K, V]) of one sequence."""
-        c, w = self.conv1d.weight.shape[0], self.conv1d.weight.shape[-1]
-        return (c, w - 1), (self.heads, self.head_dim, self.head_dim)
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv state [C, W-1], delta-rule state [H, K, V]) of one sequence (of this rank's heads under TP)."""
+        return self.geometry.state_shapes()
 
     def _split(self, y: torch.Tensor):
         q, k, v = y.split(self.heads * self.head_dim, dim=-1)
@@ -262,9 +289,10 @@ class KimiLinearForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: KimiLinearConfig) -> None:
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # noqa: E731
+        geometry = {geo.layer: geo for geo in cfg.recurrent_geometry()}
         layers = []
-        for kind, mlp_kind in zip(cfg.layer_types, cfg.mlp_layer_types):
-            mixer = KimiDeltaAttention(cfg) if kind == "linear_attention" else KimiMLA(cfg)
+        for i, mlp_kind in enumerate(cfg.mlp_layer_types):
+            mixer = KimiDeltaAttention(cfg, geometry[i]) if i in geometry else KimiMLA(cfg)
             mlp = KimiMoE(cfg) if mlp_kind == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
             layers.append(DecoderLayer("self_attn", mixer, mlp, norm))
         self._build(cfg, layers, norm())

@@ -51,13 +51,19 @@ def read_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def build_model(config: dict) -> HybridForCausalLM:
-    """An uninitialised model of the family named by config['model_type']."""
+def family_config(config: dict) -> KimiLinearConfig | Qwen3NextConfig:
+    """The config class of the family named by config['model_type'], read from a config.json dict (either
+    layout). Raises ValueError for an unknown family, KeyError for a missing required key."""
     family = config.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"unsupported model_type {family!r}; supported: {sorted(FAMILIES)}")
-    cfg_cls, model_cls = FAMILIES[family]
-    return model_cls(cfg_cls.from_dict(config))
+    return FAMILIES[family][0].from_dict(config)
+
+
+def build_model(config: dict) -> HybridForCausalLM:
+    """An uninitialised model of the family named by config['model_type']."""
+    cfg = family_config(config)
+    return FAMILIES[cfg.model_type][1](cfg)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.batch import AttentionKV, BatchLayout
+from app.models.geometry import RecurrentGeometry, UnitGeometry
 from app.models.hybrid import DecoderLayer, HybridForCausalLM
 from app.models.layers import MLP, Experts, RMSNorm, RMSNormGated, apply_rotary, attend, rotary_cos_sin, stacked_linear
 from app.models.recurrent import recurrent_mix
@@ -49,8 +50,20 @@ class Qwen3NextConfig:
     model_type = "qwen3_next"
 
     def __post_init__(self) -> None:
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+
+    def recurrent_geometry(self) -> tuple[RecurrentGeometry, ...]:
+        """Every GDN layer: Hv value heads of [d_k, d_v] state (unit: one value head), bundled Hv / Hk per key
+        head; a short conv over q, k (Hk heads) and v (Hv heads); decay tensors on linear_attn."""
+        hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+        dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+        return tuple(
+            RecurrentGeometry(UnitGeometry(i, "gdn", hv, dk, dv, hv // hk), 2 * hk * dk + hv * dv,
+                              self.linear_conv_kernel_dim, (f"model.layers.{i}.linear_attn.",))
+            for i, kind in enumerate(self.layer_types) if kind == "linear_attention"
+        )
 
     def is_sparse(self, layer: int) -> bool:
         return (layer not in self.mlp_only_layers and self.num_experts > 0
@@ -90,14 +103,14 @@ class GatedDeltaNet(nn.Module):
 
     is_linear = True
 
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
+    def __init__(self, cfg: Qwen3NextConfig, geo: RecurrentGeometry) -> None:
         super().__init__()
-        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.r = self.nv // self.nk
+        self.geometry = geo
+        self.nv, self.dk, self.dv, self.r = geo.units.heads, geo.units.d_k, geo.units.d_v, geo.units.bundle
+        self.nk = geo.bundles
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
-        conv_dim = 2 * self.key_dim + self.value_dim
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        c = geo.conv_channels
+        self.conv1d = nn.Conv1d(c, c, geo.conv_kernel, groups=c, bias=False)
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.nv, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
@@ -105,9 +118,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, "silu")
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        c, w = self.conv1d.weight.shape[0], self.conv1d.weight.shape[-1]
-        return (c, w - 1), (self.nv, self.dk, self.dv)
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv state [C, W-1], delta-rule state [Hv, d_k, d_v]) of one sequence (this rank's heads under TP)."""
+        return self.geometry.state_shapes()
 
     def _split(self, y: torch.Tensor):
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -205,10 +218,11 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)  # noqa: E731
+        geometry = {geo.layer: geo for geo in cfg.recurrent_geometry()}
         layers = []
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == "linear_attention":
-                mixer, name = GatedDeltaNet(cfg), "linear_attn"
+        for i in range(len(cfg.layer_types)):
+            if i in geometry:
+                mixer, name = GatedDeltaNet(cfg, geometry[i]), "linear_attn"
             else:
                 mixer, name = GatedAttention(cfg), "self_attn"
             mlp = SparseMoeBlock(cfg) if cfg.is_sparse(i) else MLP(cfg.hidden_size, cfg.intermediate_size)

@@ -5,6 +5,7 @@
 - Linear attention: head bundles split (KDA: one head; GDN: a key head with its value heads): q/k/v (or
   qkvz/ba) rows, conv channels, gate projections, A_log, dt_bias, the rows of the gate up-projection and the
   columns of the output projection; the per-head output norm and low-rank down-projections are replicated.
+  The mixer's `geometry` becomes the rank's share (`RecurrentGeometry.shard`), so its state shapes follow.
   `head_orders[j]` (stage 1 of TP-balanced placement) permutes linear layer j's heads first: rank r owns the
   contiguous block r of that order — an exact reindexing of every coupled tensor.
 - MLP / experts: column-parallel gate and up, row-parallel down, all_reduce after; routers replicated.
@@ -96,6 +97,7 @@ def _shard_kda(m: KimiDeltaAttention, rank: int, tp: int, order) -> None:
     _rows(m.b_proj, torch.tensor(heads))
     _cols(m.o_proj, idx)
     m.heads = m.forget_gate.heads = len(heads)
+    m.geometry = m.geometry.shard(tp)
 
 
 def _shard_gdn(m: GatedDeltaNet, rank: int, tp: int, order) -> None:
@@ -116,6 +118,7 @@ def _shard_gdn(m: GatedDeltaNet, rank: int, tp: int, order) -> None:
     _cols(m.out_proj, v)
     m.nk, m.nv = len(keys), len(values)
     m.key_dim, m.value_dim = m.nk * m.dk, m.nv * m.dv
+    m.geometry = m.geometry.shard(tp)
 
 
 def _shard_mla(m: KimiMLA, rank: int, tp: int) -> None:

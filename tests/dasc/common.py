@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from app.dasc.codec import DascCodec
-from app.dasc.selection import SelectionPlan, UnitGeometry, decay_plan, random_plan
+from app.dasc.selection import SelectionPlan, decay_plan, random_plan
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
 from app.models.batch import BatchLayout, ContiguousKV, LinearStates
+from app.models.geometry import UnitGeometry
 
 # KDA-like: 4 heads x 32 channels; GDN-like: 4 value heads over 2 key heads (bundles of 2), d = 32
 KDA = [UnitGeometry(i, "kda", 4, 32, 32) for i in (0, 1, 2, 4)]

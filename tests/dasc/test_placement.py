@@ -18,7 +18,8 @@ from app.dasc.placement import (
     traffic_bytes,
     unpack_per_rank,
 )
-from app.dasc.selection import LayerPlan, SelectionPlan, UnitGeometry, decay_plan
+from app.dasc.selection import LayerPlan, SelectionPlan, decay_plan
+from app.models.geometry import UnitGeometry
 from tests.dasc.common import GDN, KDA, random_horizons, sample_plans
 
 KDA8 = [UnitGeometry(i, "kda", 8, 4, 4) for i in range(4)]

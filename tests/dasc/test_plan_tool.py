@@ -10,6 +10,7 @@ safe_open spy show the tool reads the decay tensors and nothing else.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -24,7 +25,13 @@ from safetensors.torch import save_file
 
 import app.models.loader as loader
 from app.dasc import plan as plan_tool
-from loadtest.fake_checkpoints import decay_tensor_names, write_kimi_linear_48b, write_qwen3_next_80b
+from loadtest.fake_checkpoints import (
+    KIMI_LINEAR_48B_CONFIG,
+    QWEN3_NEXT_80B_CONFIG,
+    decay_tensor_names,
+    write_kimi_linear_48b,
+    write_qwen3_next_80b,
+)
 
 W_MAX = [16, 64, 128, 512]
 TP = 8
@@ -257,3 +264,26 @@ def test_runtime_names_and_single_file_checkpoint(ckpts, tmp_path):
     assert [g.layer for g in a.geometry] == [g.layer for g in b.geometry]
     assert all((x == y).all() for x, y in zip(a.horizons, b.horizons))
     assert all(".forget_gate." in n for n in b.tensors_read)
+
+
+@pytest.mark.parametrize("config,edit,message", [
+    (KIMI_LINEAR_48B_CONFIG, lambda c: c["linear_attn_config"].update(kda_layers=[0, 1, 28]),
+     "linear_attn_config.kda_layers is 1-indexed over 27 layers; out of range: [0, 28]"),
+    (KIMI_LINEAR_48B_CONFIG, lambda c: c.pop("num_hidden_layers"),
+     "config.json lacks 'num_hidden_layers' for kimi_linear"),
+    (KIMI_LINEAR_48B_CONFIG, lambda c: c.update(layer_types=["full_attention"] * 27),
+     "config.json names no linear-attention layers"),
+    (QWEN3_NEXT_80B_CONFIG, lambda c: c.update(linear_num_value_heads=24),
+     "linear_num_value_heads 24 is not a multiple of linear_num_key_heads 16"),
+    (QWEN3_NEXT_80B_CONFIG, lambda c: c.update(model_type="llama"), "unsupported model_type 'llama'"),
+])
+def test_bad_config_json_errors_clearly(tmp_path, capsys, config, edit, message):
+    """Bad config.json content stops the tool before any tensor is read, with the reason on stderr."""
+    config = copy.deepcopy(config)
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exc:
+        plan_tool.main([str(tmp_path), "--json"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    assert captured.err.startswith("error: ") and message in captured.err
