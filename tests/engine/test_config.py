@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -156,3 +157,15 @@ def test_retune_of_what_a_checkpoint_holds_drops_them(zoo, change):
     engine.generate([prompt], PARAMS)
     assert _stored(engine) > 0
     engine.check_integrity()
+
+
+def test_the_design_docs_knob_table_matches_the_knobs():
+    """docs/design.md lists every knob once, with the default the code has."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[0].strip("`") in KNOBS:
+            rows[cells[0].strip("`")] = cells[2].strip("`")
+    assert set(rows) == set(KNOBS)
+    assert {name: str(k.default) for name, k in KNOBS.items()} == rows
