@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    cache_salt: str | None = None  # prefixes are shared only among requests with the same salt
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
