@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from app.engine.engine import Engine
+from app.engine.errors import EngineUnavailable
 from app.engine.request import RequestOutput, SamplingParams
 
 
@@ -36,6 +37,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._probes: list[threading.Event] = []  # check_alive(): set by the loop thread when it comes round
         failed: list[BaseException] = []
         ready = threading.Event()
 
@@ -64,6 +66,8 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
+            if self._stopped or not self._thread.is_alive():
+                raise EngineUnavailable("the engine is shut down")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._pending.append((list(prompt_ids), params, request_id))
             self._cv.notify()
@@ -92,6 +96,18 @@ class AsyncEngine:
         with self._engine_lock:
             return fn(self.engine, *args)
 
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Raise EngineUnavailable unless the step thread is alive and comes round its loop within `timeout_s`
+        (a step in flight finishes first). Cheap: no generation, no model call."""
+        probe = threading.Event()
+        with self._cv:
+            if self._stopped or not self._thread.is_alive():
+                raise EngineUnavailable("the engine's step thread is not running")
+            self._probes.append(probe)
+            self._cv.notify()
+        if not probe.wait(timeout_s):
+            raise EngineUnavailable(f"the engine's step thread did not come round within {timeout_s:g} s")
+
     def shutdown(self) -> None:
         with self._cv:
             self._stopped = True
@@ -101,15 +117,22 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopped or self._pending or self._aborts or self.engine.has_unfinished()):
+                while not (self._stopped or self._pending or self._aborts or self._probes
+                           or self.engine.has_unfinished()):
                     self._cv.wait()
+                for probe in self._probes:
+                    probe.set()
+                self._probes = []
                 if self._stopped:
                     return
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
             with self._engine_lock:
                 for prompt, params, request_id in pending:
-                    self.engine.add_request(prompt, params, request_id)
+                    try:
+                        self.engine.add_request(prompt, params, request_id)
+                    except Exception as exc:  # noqa: BLE001 - fails this request only; the loop serves on
+                        self._fail(request_id, exc)
                 for request_id in aborts:
                     self.engine.abort(request_id)
                 try:
@@ -123,6 +146,14 @@ class AsyncEngine:
                 if target is not None:
                     loop, queue = target
                     loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        with self._cv:
+            target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            error = exc if isinstance(exc, ValueError) else RuntimeError(f"request failed: {exc!r}")
+            loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cv:
