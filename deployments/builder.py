@@ -84,11 +84,26 @@ class ControllerArgs(_Strict):
 
 
 class ApiArgs(_Strict):
+    """The API's limits: the fields of `app.api.routes.ApiSettings` (docs/serving.md, API limits and security)."""
+
     api_key: str | None = Field(None, description="Bearer key; the DASC_API_KEY environment variable also sets it")
-    max_prompt_tokens: int = 3072
-    max_tokens_limit: int = 1024
-    default_max_tokens: int = 16
-    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = Field(3072, ge=1, description="prompt tokens at most (413 beyond)")
+    max_tokens_limit: int = Field(1024, ge=1, description="max_tokens at most")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request names none")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="request body bytes at most, chunked or not (413)")
+    max_prompts: int = Field(16, ge=1, description="prompts in one completion request")
+    max_sequences: int = Field(64, ge=1, description="prompts x n of one request")
+    max_stops: int = Field(4, ge=0, description="stop strings per request")
+    max_stop_chars: int = Field(256, ge=1, description="characters in one stop string")
+    max_messages: int = Field(256, ge=1, description="messages in one chat request")
+    max_cache_salt_chars: int = Field(256, ge=0, description="characters in cache_salt")
+    cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call from (empty: "
+                                    "no CORS)")
+    max_in_flight: int = Field(256, ge=1, description="generation requests open in one ingress process (429 "
+                               "beyond)")
+    queue_timeout_s: float = Field(60.0, gt=0, description="a request not started by then is answered 503")
+    max_buffered_chunks: int = Field(256, ge=1, description="stream chunks a client may fall behind before its "
+                                     "request is aborted")
 
 
 class ServeArgs(_Strict):

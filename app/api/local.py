@@ -4,6 +4,7 @@ OpenAI API without Ray (handy for development; the product runs through `deploym
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -18,22 +19,30 @@ from app.models.tokenizer import Tokenizer
 
 
 class LocalBackend:
-    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
-        """An engine, or a factory: then the engine is built in its step thread (see AsyncEngine)."""
+    def __init__(self, engine: Engine | Callable[[], Engine], health_timeout_s: float = 10.0) -> None:
+        """An engine, or a factory: then the engine is built in its step thread (see AsyncEngine).
+        `health_timeout_s`: how long `health` waits for the step thread to come round its loop."""
         self.engine = AsyncEngine(engine)
+        self.health_timeout_s = health_timeout_s
         self.tokenizer = self.engine.engine.tokenizer
         self.metrics = ApiMetrics()
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.engine.validate(prompt_ids, params)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         start, first = time.perf_counter(), True
-        async for out in self.engine.generate(prompt_ids, params):
+        async for out in self.engine.generate(prompt_ids, params, deadline=deadline):
             if first:
                 self.metrics.ttft.observe(time.perf_counter() - start)
                 first = False
             yield out
+
+    async def health(self) -> None:
+        """Raises EngineUnavailable unless the step thread comes round its loop (waits in a worker thread, so
+        the event loop serves on meanwhile)."""
+        await asyncio.to_thread(self.engine.check_alive, self.health_timeout_s)
 
     async def metrics_text(self) -> str:
         return self.metrics.render({"local": self.engine.snapshot()})
@@ -49,10 +58,12 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="kda-tiny")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin")
     args = p.parse_args(argv)
     model_dir = resolve_model_dir(args.model)
     backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig()))
-    app = build_api(backend, ApiSettings(model_name=args.model, api_key=args.api_key))
+    app = build_api(backend, ApiSettings(model_name=args.model, api_key=args.api_key,
+                                               cors_origins=tuple(args.cors_origin)))
     uvicorn.run(app, host="127.0.0.1", port=args.port)
 
 

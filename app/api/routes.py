@@ -1,25 +1,37 @@
 """FastAPI routes of the OpenAI-compatible API, over any `Backend` (the Ray Serve ingress, or a local engine).
 
-Errors are OpenAI-style JSON: 400 for bad input (validation included), 401 for a missing or wrong key,
-404 for an unknown model, 413 for an oversized body or prompt, 503 when the backend fails.
+Errors are OpenAI-style JSON (app/api/errors.py). In front of the routes, `Guard` (app/api/guards.py) checks the
+key, the body size and admission, and turns any unhandled exception into a JSON 500; CORS is on only when
+`cors_origins` names origins. The prompts of one request are generated concurrently and streamed through a
+bounded buffer (app/api/streams.py). Request bodies are in app/api/schemas.py; caps an operator sets are
+checked here (app/api/limits.py).
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.api import limits
+from app.api.errors import ApiError, error_response, from_backend, openapi_responses, strip_422
+from app.api.guards import Guard
 from app.api.schemas import ChatCompletionRequest, CompletionRequest, error_body, now, usage
+from app.api.streams import Outputs
 from app.engine.request import RequestOutput, SamplingParams
 from app.models.tokenizer import Tokenizer
+
+GENERATION = openapi_responses(400, 401, 404, 413, 429, 500, 503)
 
 
 class Backend(Protocol):
@@ -28,7 +40,14 @@ class Backend(Protocol):
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot be served (context length, ...)."""
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                 deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. `deadline` (time.time()): a request not started by then fails with
+        QueueTimeout. Closing the iterator early aborts the request. Raises ValueError for bad input and the
+        types of app/engine/errors.py when the engine cannot serve it."""
+
+    async def health(self) -> None:
+        """Return when the engine(s) can step; raise otherwise (cheap: no generation)."""
 
     async def metrics_text(self) -> str: ...
 
@@ -37,56 +56,46 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class ApiSettings:
+    """The API's limits (`api:` in the serve config, `ApiArgs` in deployments/builder.py; docs/serving.md)."""
+
     model_name: str
     api_key: str | None = None
     max_prompt_tokens: int = 3072
     max_tokens_limit: int = 1024
     default_max_tokens: int = 16
     max_body_bytes: int = 1 << 20
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+    max_prompts: int = 16  # prompts in one completion request
+    max_sequences: int = 64  # prompts x n of one request
+    max_stops: int = 4
+    max_stop_chars: int = 256
+    max_messages: int = 256
+    max_cache_salt_chars: int = 256
+    cors_origins: Sequence[str] = ()  # empty: no CORS headers
+    max_in_flight: int = 256  # generation requests open in this API process; beyond: 429
+    queue_timeout_s: float = 60.0  # a request not started by then: 503
+    max_buffered_chunks: int = 256  # stream chunks a client may fall behind before its request is aborted
 
 
 def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     app = FastAPI(title="dasc-serve", version="0.1.0")
     tok = backend.tokenizer
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       max_in_flight=settings.max_in_flight)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    _handlers(app)
+    _documented_errors_only(app)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
-                return _error(ApiError(401, "missing or invalid API key", "authentication_error"))
-            size = request.headers.get("content-length")
-            if size is not None and int(size) > settings.max_body_bytes:
-                return _error(ApiError(413, f"request body over {settings.max_body_bytes} bytes"))
-        return await call_next(request)
-
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError):
-        return _error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return _error(ApiError(400, "the request body is not valid JSON"))
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return _error(ApiError(400, f"{where}: {first.get('msg', 'invalid request')}" if where else
-                               first.get("msg", "invalid request"), param=where or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
-        return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
-
-    @app.get("/health")
+    @app.get("/health", responses=openapi_responses(503))
     async def health():
+        try:
+            await backend.health()
+        except Exception as e:
+            raise ApiError(503, f"not healthy: {e}", "server_error", retry_after_s=5.0) from e
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi_responses(401))
     async def models():
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "dasc-serve"}]}
@@ -99,41 +108,41 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     async def status():
         return await backend.status()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION)
     async def completions(body: CompletionRequest):
-        prompts = _completion_prompts(body.prompt, tok)
-        params = _params(body, body.max_tokens, settings)
+        prompts = limits.completion_prompts(body, tok, settings)
+        params = limits.sampling_params(body, body.max_tokens, settings, len(prompts))
         for p in prompts:
-            _check_prompt(p, settings, tok)
+            limits.check_prompt(p, settings, tok)
             _validate(backend, p, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        outputs = _start(backend, prompts, params, settings, body.stream)
         if body.stream:
-            return _sse(_stream_completions(backend, prompts, params, body, rid, settings, tok))
-        outs = [await _collect(backend, p, params) for p in prompts]
-        choices, prompt_t, comp_t, cached = [], 0, 0, 0
-        for i, per_seq in enumerate(outs):
-            for out in per_seq:
-                text = (tok.decode(prompts[i]) if body.echo else "") + out.text
-                choices.append({"index": len(choices), "text": text, "logprobs": None,
-                                "finish_reason": out.finish_reason})
-                comp_t += len(out.output_ids)
-            prompt_t += per_seq[0].prompt_tokens
-            cached += per_seq[0].cached_tokens
+            first = await _first(outputs)
+            return _sse(_stream_completions(first, prompts, params, body, rid, settings, tok))
+        final = await _collect(outputs)
+        choices, comp_t = [], 0
+        for (i, _), out in sorted(final.items()):
+            text = (tok.decode(prompts[i]) if body.echo else "") + out.text
+            choices.append({"index": len(choices), "text": text, "logprobs": None,
+                            "finish_reason": out.finish_reason})
+            comp_t += len(out.output_ids)
+        heads = [final[(i, 0)] for i in range(len(prompts))]
         return {"id": rid, "object": "text_completion", "created": now(), "model": settings.model_name,
-                "system_fingerprint": _fingerprint(outs[0][0]), "choices": choices,
-                "usage": usage(prompt_t, comp_t, cached)}
+                "system_fingerprint": _fingerprint(heads[0]), "choices": choices,
+                "usage": usage(sum(h.prompt_tokens for h in heads), comp_t, sum(h.cached_tokens for h in heads))}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION)
     async def chat(body: ChatCompletionRequest):
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        prompt = tok.encode(text)
-        _check_prompt(prompt, settings, tok)
-        params = _params(body, body.max_completion_tokens or body.max_tokens, settings)
+        prompt = limits.chat_prompt(body, tok, settings)
+        limits.check_prompt(prompt, settings, tok)
+        params = limits.sampling_params(body, body.max_completion_tokens or body.max_tokens, settings, 1)
         _validate(backend, prompt, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = _start(backend, [prompt], params, settings, body.stream)
         if body.stream:
-            return _sse(_stream_chat(backend, prompt, params, body, rid, settings))
-        outs = await _collect(backend, prompt, params)
+            return _sse(_stream_chat(await _first(outputs), body, rid, settings))
+        outs = [out for _, out in sorted((await _collect(outputs)).items())]
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
                     "finish_reason": o.finish_reason} for o in outs]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
@@ -143,44 +152,35 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     return app
 
 
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        return error_response(limits.from_validation(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+
+def _documented_errors_only(app: FastAPI) -> None:
+    """The OpenAPI schema without FastAPI's 422s (validation errors are 400s here)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = strip_422(build())
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _fingerprint(out: RequestOutput) -> str:
     """`system_fingerprint` names the engine replica that served the request ("dasc-<replica>")."""
     return f"dasc-{out.replica or 'local'}"
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status)
-
-
-def _params(body, max_tokens: int | None, settings: ApiSettings) -> SamplingParams:
-    n_tokens = max_tokens or settings.default_max_tokens
-    if n_tokens > settings.max_tokens_limit:
-        raise ApiError(400, f"max_tokens {n_tokens} is over the limit {settings.max_tokens_limit}", param="max_tokens")
-    try:
-        return SamplingParams(max_tokens=n_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              stop=tuple(body.stop or ()), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
-
-
-def _completion_prompts(prompt, tok: Tokenizer) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [tok.encode(prompt)]
-    if isinstance(prompt[0], str):
-        return [tok.encode(p) for p in prompt]
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    return [list(p) for p in prompt]
-
-
-def _check_prompt(ids: list[int], settings: ApiSettings, tok: Tokenizer) -> None:
-    if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if len(ids) > settings.max_prompt_tokens:
-        raise ApiError(413, f"prompt has {len(ids)} tokens, over the limit {settings.max_prompt_tokens}",
-                       param="prompt")
-    if any(not 0 <= t < tok.vocab_size for t in ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
 
 
 def _validate(backend: Backend, prompt: list[int], params: SamplingParams) -> None:
@@ -190,81 +190,96 @@ def _validate(backend: Backend, prompt: list[int], params: SamplingParams) -> No
         raise ApiError(400, str(e)) from e
 
 
-async def _collect(backend: Backend, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    final: dict[int, RequestOutput] = {}
+def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, settings: ApiSettings,
+           stream: bool) -> Outputs:
+    """Start every prompt's generation; a stream's outputs go through the bounded buffer."""
+    deadline = time.time() + settings.queue_timeout_s
+    return Outputs([backend.generate(p, params, deadline=deadline) for p in prompts],
+                   settings.max_buffered_chunks if stream else None)
+
+
+async def _collect(outputs: Outputs) -> dict[tuple[int, int], RequestOutput]:
+    """The final output of each sequence, keyed by (prompt index, sequence index)."""
+    final = {}
     try:
-        async for out in backend.generate(prompt, params):
+        async for i, out in outputs:
             if out.finished:
-                final[out.index] = out
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
-    except ApiError:
-        raise
-    except Exception as e:  # the engine or the cluster failed: say so, do not hang
-        raise ApiError(503, f"generation failed: {e}", "server_error") from e
-    return [final[i] for i in sorted(final)]
+                final[(i, out.index)] = out
+    except Exception as e:
+        raise from_backend(e) from e
+    return final
+
+
+async def _first(outputs: Outputs) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs, with the first one already awaited: a request refused or failed before its first token
+    gets its HTTP status (429, 503, ...) instead of a 200 stream holding an error event."""
+    rest = aiter(outputs)
+    try:
+        head = await anext(rest)
+    except Exception as e:
+        raise from_backend(e) from e
+
+    async def chained():
+        yield head
+        async with aclosing(rest):
+            async for item in rest:
+                yield item
+
+    return chained()
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except ApiError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.type))}\n\n"
-        except Exception as e:
-            yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
+            async with aclosing(chunks):  # leaving early (client gone) closes the chain down to the engine
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as e:  # the stream has started: an error event, then [DONE]
+            err = from_backend(e)
+            yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _stream_completions(backend, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, prompt_t, comp_t, cached = now(), 0, 0, 0
-    for i, prompt in enumerate(prompts):
-        base = i * params.n
-        if body.echo:
+async def _stream_completions(outputs, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
+    created, prompt_t, comp_t, cached, seen = now(), 0, 0, 0, set()
+    if body.echo:
+        for i, prompt in enumerate(prompts):
             for j in range(params.n):
-                yield _text_chunk(rid, created, settings, base + j, tok.decode(prompt), None)
-        first = True
-        async for out in _checked(backend.generate(prompt, params)):
-            if first:
-                prompt_t, cached, first = prompt_t + out.prompt_tokens, cached + out.cached_tokens, False
+                yield _text_chunk(rid, created, settings, i * params.n + j, tok.decode(prompt), None)
+    async with aclosing(outputs):
+        async for i, out in outputs:
+            if i not in seen:
+                seen.add(i)
+                prompt_t, cached = prompt_t + out.prompt_tokens, cached + out.cached_tokens
             comp_t += len(out.new_token_ids)
             if out.new_text or out.finished:
-                yield _text_chunk(rid, created, settings, base + out.index, out.new_text, out.finish_reason)
-    if (body.stream_options or {}).get("include_usage"):
+                yield _text_chunk(rid, created, settings, i * params.n + out.index, out.new_text, out.finish_reason)
+    if body.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
                "choices": [], "usage": usage(prompt_t, comp_t, cached)}
 
 
-async def _stream_chat(backend, prompt, params, body, rid, settings) -> AsyncIterator[dict]:
+async def _stream_chat(outputs, body, rid, settings) -> AsyncIterator[dict]:
     created, comp_t, started, head = now(), 0, set(), None
-    async for out in _checked(backend.generate(prompt, params)):
-        head = head or out
-        comp_t += len(out.new_token_ids)
-        delta = {} if out.index in started else {"role": "assistant"}
-        started.add(out.index)
-        if out.new_text:
-            delta["content"] = out.new_text
-        if delta or out.finished:
-            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
-                   "choices": [{"index": out.index, "delta": delta, "logprobs": None,
-                                "finish_reason": out.finish_reason}]}
-    if (body.stream_options or {}).get("include_usage") and head is not None:
+    async with aclosing(outputs):
+        async for _, out in outputs:
+            head = head or out
+            comp_t += len(out.new_token_ids)
+            delta = {} if out.index in started else {"role": "assistant"}
+            started.add(out.index)
+            if out.new_text:
+                delta["content"] = out.new_text
+            if delta or out.finished:
+                choice = {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+                yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+                       "model": settings.model_name, "choices": [choice]}
+    if body.include_usage and head is not None:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
                "choices": [], "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens)}
-
-
-async def _checked(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    try:
-        async for out in outputs:
-            yield out
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
 
 
 def _text_chunk(rid, created, settings, index, text, finish_reason) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-

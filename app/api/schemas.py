@@ -1,37 +1,65 @@
-"""OpenAI-compatible request and response bodies (the subset this server implements)."""
+"""OpenAI-compatible request and response bodies (the subset this server implements).
+
+Types are strict: `"n": "2"`, `"stream": "yes"` or `true` for an integer are 400s, not coerced (a float field
+takes an integer). Every string must be encodable as UTF-8 (JSON can carry a lone surrogate such as
+`"\\ud800"`, which no tokenizer takes). Caps that an operator sets (prompts per request, stop strings, ...) are
+checked in the routes against `ApiSettings`; what is here holds for every deployment.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (with room for seed + index)
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text must be valid Unicode: {e.reason} at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1, description="new tokens at most")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="extension: 0 is off")
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = Field(default=False, description="extension: do not stop at end-of-text")
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | bool | None = None
+    cache_salt: Text | None = Field(default=None, description="prefixes are shared only among requests with the "
+                                    "same salt (vLLM's field): one tenant's prompts do not hit another's cache")
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
         return stops
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -48,9 +76,13 @@ class _Request(BaseModel):
             raise ValueError("logprobs are not supported")
         return v
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
 
     @field_validator("prompt")
@@ -63,21 +95,51 @@ class CompletionRequest(_Request):
         return v
 
 
+class ContentPart(BaseModel):
+    model_config = STRICT
+
+    type: Text
+    text: Text | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = ""
+    content: Text | list[ContentPart] | None = ""
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions)
+FIELD_NAMES = frozenset(name for model in REQUEST_MODELS for name in model.model_fields)
+
+
+def field_path(loc: tuple) -> str:
+    """The field a validation error's `loc` names, as "messages.0.content.0.text": list indexes kept, pydantic's
+    union-member tags ("str", "list[int]", ...) and the leading "body" left out."""
+    return ".".join(str(x) for x in loc if isinstance(x, int) or x in FIELD_NAMES)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error status answers this body (OpenAI's)."""
+
+    error: ErrorDetail
 
 
 class Usage(BaseModel):
@@ -95,7 +157,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """OpenAI's error JSON. Text from the client can reach `message`; characters UTF-8 cannot carry (a lone
+    surrogate) come out as backslash escapes, so the body always encodes."""
+    safe = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": safe, "type": type_, "param": param, "code": code}}
 
 
 def now() -> int:

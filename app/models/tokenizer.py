@@ -7,6 +7,9 @@ Files in a tokenizer directory (what `transformers.AutoTokenizer.from_pretrained
 
 Special ids: 0 `<|endoftext|>` (bos, eos and pad for plain completion), 1 `<|im_start|>`, 2 `<|im_end|>`.
 No normalizer and no added bos/eos, so `decode(encode(s)) == s` for every string `s`.
+`encode` turns special-token strings in its text into their ids (a raw completion prompt may format its own
+chat); `encode_chat` gives control ids only where the chat template itself writes them, so a message cannot
+forge a turn by containing `<|im_end|>`.
 The wrapper imports `tokenizers` and `jinja2` only, never `transformers`.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -52,6 +56,9 @@ class Tokenizer:
         self._special_ids = frozenset({i for i, t in added.items() if t.special} |
                                       {i for i in map(backend.token_to_id, SPECIAL_TOKENS) if i is not None})
         self._bytes = _token_bytes(backend, frozenset(added))
+        self._special_text = {t.content: i for i, t in added.items() if t.special}
+        self._plain = Backend.from_str(backend.to_str())  # the same vocabulary, special strings read as text
+        self._plain.encode_special_tokens = True
 
     def _config_token(self, key: str) -> int | None:
         """The id of a special token named in tokenizer_config.json (a string or an AddedToken dict), or None."""
@@ -110,6 +117,31 @@ class Tokenizer:
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **specials
         )
 
+    def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered chat where only the template's own special tokens are control ids; a special-token
+        string inside a message's content is encoded as plain text.
+
+        How: each special-token string inside a content is broken by a marker character that occurs in no
+        content (a private-use code point), the template is rendered, the result is split at the special tokens
+        left (the template's), and the text between them, markers removed, goes through a copy of the tokenizer
+        that reads special strings as text. For content without special strings the ids equal
+        `encode(apply_chat_template(...))`, since `encode` also splits at special tokens first.
+        """
+        contents = [str(m.get("content") or "") for m in messages]
+        if not self._special_text:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        marker = _unused_char(contents)
+        special = re.compile("(" + "|".join(map(re.escape, sorted(self._special_text, key=len, reverse=True))) + ")")
+        escaped = [{**m, "content": special.sub(lambda s: s[0][0] + marker + s[0][1:], c)}
+                   for m, c in zip(messages, contents)]
+        ids: list[int] = []
+        for i, piece in enumerate(special.split(self.apply_chat_template(escaped, add_generation_prompt))):
+            if i % 2:  # split() puts each separator (a template's special token) at an odd index
+                ids.append(self._special_text[piece])
+            elif piece:
+                ids.extend(self._plain.encode(piece.replace(marker, ""), add_special_tokens=False).ids)
+        return ids
+
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
         """A fresh streaming decoder over this vocabulary."""
         return IncrementalDecoder(self, skip_special_tokens)
@@ -147,6 +179,15 @@ def decode_stream(tokenizer: Tokenizer, ids: Iterable[int], skip_special_tokens:
             yield delta
     if tail := decoder.flush():
         yield tail
+
+
+def _unused_char(texts: Sequence[str]) -> str:
+    """A private-use code point that occurs in none of `texts` (ValueError in the absurd case that all do)."""
+    used = set().union(*map(set, texts)) if texts else set()
+    for code in (*range(0xE000, 0xF900), *range(0xF0000, 0xFFFFE)):
+        if chr(code) not in used:
+            return chr(code)
+    raise ValueError("the messages use every private-use character; cannot mark their special-token strings")
 
 
 def _compile_template(template: str) -> jinja2.Template:

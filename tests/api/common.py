@@ -1,10 +1,15 @@
-"""Shared pieces of the in-process API tests: an httpx client on the ASGI app, SSE parsing, and a fault that
-makes a real engine's step fail."""
+"""Shared pieces of the in-process API tests: an httpx client on the ASGI app, a raw ASGI call (bodies in
+chunks, a client that stops reading), SSE parsing, a backend wrapper that records or refuses at the backend
+boundary, and a fault that makes a real engine's step fail."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI
@@ -32,6 +37,93 @@ def sse_events(body: str) -> list[dict | str]:
             data = block[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+@dataclass
+class RawCall:
+    """What a raw ASGI call saw: the response status and headers (once started), the body, and how many request
+    chunks the app pulled. Set `disconnect` to make `receive` report the client gone."""
+
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    chunks_read: int = 0
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnect: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+async def raw_call(app, call: RawCall, path: str, chunks: Iterable[bytes], headers: dict[str, str] | None = None,
+                   stall_body: bool = False) -> RawCall:
+    """POST `chunks` as one body in that many ASGI messages (no Content-Length unless `headers` has one).
+    `stall_body`: `send` never completes for a non-empty body chunk, as for a client that stops reading."""
+    pending = list(chunks)
+    hdrs = [(b"content-type", b"application/json"), *((k.lower().encode(), v.encode())
+                                                      for k, v in (headers or {}).items())]
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": hdrs, "client": ("127.0.0.1", 1), "server": ("test", 80)}
+
+    async def receive():
+        if pending:
+            call.chunks_read += 1
+            body = pending.pop(0)
+            return {"type": "http.request", "body": body, "more_body": bool(pending)}
+        await call.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            call.status = message["status"]
+            call.headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", [])}
+            call.started.set()
+        elif message["type"] == "http.response.body":
+            if stall_body and message.get("body"):
+                await asyncio.Event().wait()  # never set
+            call.body += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return call
+
+
+async def wait_until(condition, what: str, timeout_s: float = 120.0) -> None:
+    """Poll `condition()` until true; fail after a generous `timeout_s` (a hang guard, not a timing check)."""
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+class Recording:
+    """A real backend, recording what the routes hand it (`calls`: (prompt ids, params, deadline)), and, when
+    `refuse` is set, raising that exception after `refuse_after` outputs of a generation, as an engine or the
+    cluster would refuse or fail a request."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self.calls: list[tuple[list[int], object, float | None]] = []
+        self.refuse: BaseException | None = None
+        self.refuse_after = 0
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    async def generate(self, prompt_ids, params, *, deadline=None):
+        self.calls.append((list(prompt_ids), params, deadline))
+        if self.refuse is not None and self.refuse_after == 0:
+            raise self.refuse
+        outputs = self._backend.generate(prompt_ids, params, deadline=deadline)
+        sent = 0
+        try:
+            async for out in outputs:
+                if self.refuse is not None and sent == self.refuse_after:
+                    raise self.refuse
+                sent += 1
+                yield out
+        finally:
+            await outputs.aclose()
 
 
 class StepFault:

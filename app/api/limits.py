@@ -1,0 +1,94 @@
+"""What a request may ask for, checked before anything reaches the engine: the operator's caps from
+`ApiSettings` (prompts, sequences, stop strings, messages, `cache_salt`, tokens), the prompt's ids, and the
+400 a validation error becomes (naming the field at fault).
+
+Chat messages are encoded with `Tokenizer.encode_chat`: a special-token string in a message is plain text, so
+a user cannot forge a turn. A completion's raw text prompt keeps `encode`'s behaviour (special strings become
+control ids): its sender writes the whole prompt, and may format a chat of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jinja2
+
+from app.api.errors import ApiError
+from app.api.schemas import ChatCompletionRequest, CompletionRequest, field_path
+from app.engine.request import SamplingParams
+from app.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from app.api.routes import ApiSettings
+
+
+def _over(param: str, what: str, count: int, cap: int) -> None:
+    if count > cap:
+        raise ApiError(400, f"{what}: {count} is over the limit {cap}", param=param)
+
+
+def completion_prompts(body: CompletionRequest, tok: Tokenizer, settings: ApiSettings) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    batch = not isinstance(prompt[0], int)  # a list of texts or of id lists; a flat id list is one prompt
+    _over("prompt", "prompts in one request", len(prompt) if batch else 1, settings.max_prompts)
+    if isinstance(prompt[0], str):
+        return [tok.encode(p) for p in prompt]
+    return [list(p) for p in prompt] if batch else [list(prompt)]
+
+
+def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer, settings: ApiSettings) -> list[int]:
+    _over("messages", "messages in one request", len(body.messages), settings.max_messages)
+    try:
+        return tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    except (ValueError, jinja2.TemplateError) as e:  # the model's template refused the conversation
+        raise ApiError(400, f"messages: {e}", param="messages") from e
+
+
+def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int) -> SamplingParams:
+    n_tokens = max_tokens or settings.default_max_tokens
+    _over("max_tokens", "max_tokens", n_tokens, settings.max_tokens_limit)
+    _over("n", "sequences (prompts x n)", prompts * body.n, settings.max_sequences)
+    stops = body.stop or []
+    _over("stop", "stop strings", len(stops), settings.max_stops)
+    _over("stop", "characters in a stop string", max(map(len, stops), default=0), settings.max_stop_chars)
+    _over("cache_salt", "characters in cache_salt", len(body.cache_salt or ""), settings.max_cache_salt_chars)
+    try:
+        return SamplingParams(max_tokens=n_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              stop=tuple(stops), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
+                              cache_salt=body.cache_salt)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
+
+
+def check_prompt(ids: list[int], settings: ApiSettings, tok: Tokenizer) -> None:
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if len(ids) > settings.max_prompt_tokens:
+        raise ApiError(413, f"prompt has {len(ids)} tokens, over the limit {settings.max_prompt_tokens}",
+                       param="prompt")
+    if any(not 0 <= t < tok.vocab_size for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
+
+
+def from_validation(errors: list[dict]) -> ApiError:
+    """The 400 for pydantic's errors: the first field at fault, and of the errors about it (a union gives one
+    per member) the one that got furthest into the input, as a parser reports its furthest failure:
+    "messages.0.content.0.text" rather than "messages.0.content", "prompt.1" rather than "prompt.0" for
+    `[1, "a"]`."""
+    if not errors:
+        return ApiError(400, "invalid request")
+    if errors[0].get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON")
+    top = field_path(errors[0]["loc"]).split(".")[0]
+    about = [e for e in errors if field_path(e["loc"]).split(".")[0] == top]
+    best = max(about, key=_reach)
+    where = field_path(best["loc"])
+    message = str(best.get("msg", "invalid request")).removeprefix("Value error, ")
+    return ApiError(400, f"{where}: {message}" if where else message, param=where or None)
+
+
+def _reach(error: dict) -> tuple[int, list[int]]:
+    """How far into the input an error got: the depth of its field, then the list indexes on the way."""
+    return field_path(error["loc"]).count("."), [x for x in error["loc"] if isinstance(x, int)]
