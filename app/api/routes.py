@@ -83,7 +83,12 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         return _error(ApiError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
     @app.get("/health")
-    async def health():
+    async def health():  # 200 only when the backend can serve (every engine replica can step)
+        try:
+            if (check := getattr(backend, "health", None)) is not None:
+                await check()
+        except Exception as e:  # noqa: BLE001 - any failure means not ready
+            return _error(ApiError(503, f"not ready: {e}", "server_error"))
         return {"status": "ok"}
 
     @app.get("/v1/models")
