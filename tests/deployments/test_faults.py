@@ -3,14 +3,16 @@ engine cannot step, a replica killed mid-stream. Each scenario checks what a cli
 (/metrics, /status, /health, the answers) and that the service comes back by itself.
 
 One deployment serves the module (two replicas of kda-tiny, telemetry every 0.5 s, Serve's health check every
-second). Waits poll an observable condition until a generous deadline; nothing is timed.
+second), then a smaller one the admission test. Waits poll an observable condition until a generous deadline;
+nothing is timed.
 """
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import httpx
 import pytest
 import ray
 from ray import serve
@@ -76,7 +78,8 @@ def test_a_recreated_controller_adopts_the_running_setting(app):
     assert sum(s["checkpoint_slots_used"] for s in before.values()) > 0
 
     ray.kill(controller_mod.lookup(), no_restart=True)
-    _wait_for(lambda: _get(f"{app}/metrics").status_code == 200, "/metrics answers after the controller died")
+    # one telemetry window is 0.5 s here; 60 s is generous
+    _wait_for(lambda: _get(f"{app}/metrics").status_code == 200, "/metrics answers after the controller died", 60)
     assert _get(f"{app}/status").status_code == 200
     _reported_after(app, 0.0)  # the new controller heard from both replicas
     after = _reported_after(app, _now(app))  # and they have since applied its assignment and reported again
@@ -111,7 +114,7 @@ def test_a_replica_that_cannot_step_is_retried_reported_and_replaced(app):
             if retried():
                 break
     assert retried() > 0
-    _wait_for(lambda: _get(f"{app}/health").status_code == 503, "/health reports the replica that cannot step")
+    _wait_for(lambda: _get(f"{app}/health").status_code == 503, "/health reports the replica that cannot step", 120)
     _wait_for(lambda: _get(f"{app}/health").status_code == 200, "/health recovers once Serve replaced it")
     _wait_for(lambda: stopped not in _replicas(app) and len(_replicas(app)) == 2, "the replacement reports")
     assert ask(99).startswith("dasc-")
@@ -130,6 +133,33 @@ def test_a_killed_replica_ends_its_stream_cleanly_and_leaves_the_metrics(app):
     stream.close()
     assert stream.events[-1] == "[DONE]"
     assert "error" in json.loads(stream.events[-2]), stream.events[-2:]
-    _wait_for(lambda: f'replica="{victim}"' not in _get(f"{app}/metrics").text, "the dead replica leaves /metrics")
+    _wait_for(lambda: f'replica="{victim}"' not in _get(f"{app}/metrics").text, "the dead replica leaves /metrics",
+              60)  # 3 windows of 0.5 s
     assert victim not in _replicas(app)
     _wait_for(lambda: len(_replicas(app)) == 2 and _get(f"{app}/health").status_code == 200, "Serve replaces it")
+
+
+def test_a_full_engine_queue_is_refused_at_once(app):
+    """Admission: past the engine replicas' `max_ongoing_requests` and the handle's `max_queued_requests`, Ray's
+    BackPressureError reaches the API (counted as rejected; the API answers it 429) instead of the request
+    waiting. Redeploys the app small: one replica running one request, one more queued."""
+    serve.run(build_app({
+        "model": "kda-tiny", "replicas": 1, "replica_cpus": 0.5, "max_ongoing_requests": 1, "max_queued_requests": 1,
+        "engine": {"max_running": 1}, "controller": {"enabled": False, "window_s": 0.5},
+        "api": {"api_key": "test-key", "max_tokens_limit": 2000},
+    }), name="dasc", route_prefix="/")
+    _wait_ready(app)
+    stream = HeldStream(app, "hold the only slot")
+    try:
+        _wait_for(stream.started.is_set, "the stream streams")
+        with ThreadPoolExecutor(3) as pool:
+            body = {"model": "kda-tiny", "prompt": "one too many", "max_tokens": 2}
+            answers = [pool.submit(httpx.post, f"{app}/v1/completions", json=body, timeout=300,
+                                   headers={"Authorization": "Bearer test-key"}) for _ in range(3)]
+            refused = next(a.result() for a in as_completed(answers))  # one queues; the others are refused
+            assert refused.status_code in (429, 503) and refused.json()["error"]["message"], refused.text
+            assert 'dasc_requests_total{outcome="rejected",route="generate"}' in _get(f"{app}/metrics").text
+            stream.close()  # frees the slot: the queued request is served
+            assert sum(a.result().status_code == 200 for a in answers) >= 1
+    finally:
+        stream.close()
