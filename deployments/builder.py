@@ -83,6 +83,21 @@ class ControllerArgs(_Strict):
     cooldown_windows: int = 10
 
 
+class IngressArgs(_Strict):
+    """The HTTP front door (FastAPI routes in app/api). Each open request, an SSE stream included, holds one of
+    an ingress replica's `max_ongoing_requests` for its whole life, so this bounds how many clients are served
+    at once; Ray's default (5) would make the sixth stream wait for one of the first five to end. Keep it above
+    what the engine side takes (engine replicas x max_ongoing_requests + max_queued_requests): then overload
+    shows as the engine queue's BackPressureError, which the API answers 429 with Retry-After, rather than
+    as requests waiting in Serve's proxy."""
+
+    replicas: int = Field(1, ge=1, description="ingress replicas (killing one does not stop the service)")
+    max_ongoing_requests: int = Field(512, ge=1, description="requests one ingress replica serves at once, open "
+                                                             "streams included")
+    max_queued_requests: int = Field(128, ge=1, description="requests Serve's HTTP proxy queues for the ingress "
+                                                            "beyond that; more are refused at once (503)")
+
+
 class ApiArgs(_Strict):
     """The API's limits: the fields of `app.api.routes.ApiSettings` (docs/serving.md, API limits and security)."""
 
@@ -111,13 +126,34 @@ class ServeArgs(_Strict):
     replicas: int = Field(2, ge=1)
     replica_cpus: float = Field(1.0, description="CPUs reserved per replica")
     threads: int = Field(1, description="torch threads per replica")
-    max_ongoing_requests: int = 64
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="requests one engine replica holds at once (running and waiting in its engine); "
+                              "Serve routes no more to it. Keep it at least the engine's max_running, or the "
+                              "batch never fills")
+    max_queued_requests: int = Field(
+        64, ge=1, description="requests each ingress replica's handle queues while every engine replica is at "
+                              "max_ongoing_requests; beyond it Ray raises BackPressureError, answered 429")
+    health_check_period_s: float = Field(5.0, gt=0, description="how often Serve probes each engine replica's step "
+                                                                "thread (EngineReplica.check_health)")
+    health_check_timeout_s: float = Field(
+        20.0, gt=0, description="a probe not answered within this fails; the step thread gets "
+                                "health_check_timeout_s / 2 to come round its loop (a long step finishes first)")
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0, description="on shutdown or replacement, how long an "
+                                               "engine replica may finish the requests in flight")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per replica (1: in-process)")
     placement: str = Field("off", description="TP placement of dasc checkpoints: off | storage | balanced")
     engine: EngineArgs = Field(default_factory=EngineArgs, description="engine knobs (app/engine/config.py)")
     router: RouterArgs = RouterArgs()
     controller: ControllerArgs = ControllerArgs()
+    ingress: IngressArgs = IngressArgs()
     api: ApiArgs = ApiArgs()
+
+    @model_validator(mode="after")
+    def _limits_fit(self):
+        if self.max_ongoing_requests < self.engine.max_running:
+            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) is below engine.max_running "
+                             f"({self.engine.max_running}): the engine's batch could never fill")
+        return self
 
 
 def build_app(args: dict) -> Application:
@@ -139,15 +175,21 @@ def build_app(args: dict) -> Application:
                                                              "max_ratio")}
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
-        **_replica_resources(cfg),
+        max_queued_requests=cfg.max_queued_requests, health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s, **_replica_resources(cfg),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[cfg.router.kind], request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=cfg.router.stats_period_s),
     ).bind(cfg.model, cfg.engine.model_dump(), cfg.router.block_size, controller, cfg.threads, cfg.tp_size,
-           cfg.placement)
+           cfg.placement, alive_timeout_s=cfg.health_check_timeout_s / 2,
+           drain_timeout_s=min(cfg.graceful_shutdown_timeout_s, 10.0))
     api = cfg.api.model_dump()
     api["api_key"] = api["api_key"] or os.environ.get("DASC_API_KEY") or None
-    ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0})
+    i = cfg.ingress
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress", num_replicas=i.replicas, max_ongoing_requests=i.max_ongoing_requests,
+        max_queued_requests=i.max_queued_requests, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine_dep, cfg.model, api, cfg.router.block_size, controller)
 
 

@@ -1,68 +1,122 @@
 """`Ingress`: the OpenAI API (routes in `app.api`) in front of the engine replicas.
 
-It tokenizes, validates, computes the prompt's block hashes once, and calls the engine deployment through
-a DeploymentHandle with a `GenerateRequest`, so the request router sees the tokens. /metrics and /status
-read the tuning controller, which holds every replica's latest telemetry."""
+It tokenizes, validates, computes the prompt's block hashes once (salted with the request's `cache_salt`, so
+one tenant's prefixes never match another's), and calls the engine deployment through a DeploymentHandle
+with a `GenerateRequest`, so the request router sees the tokens. /metrics and /status read the tuning
+controller, which holds every replica's latest telemetry; a dead controller is re-resolved (recreated) on
+the next call. A request whose replica dies or cannot step before its first token is retried once on
+another replica (`GenerateRequest.avoid` keeps our router off the one that failed); after its first token it
+cannot be (the client has part of an answer), and the error reaches the routes, which end the stream with
+an error event. Ray's `BackPressureError` (the engine deployment's `max_queued_requests` is full) is passed
+through untouched: the API answers it with 429.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.exceptions import RayActorError
 
 from app.api.metrics import ApiMetrics
 from app.api.routes import ApiSettings, build_api
 from app.cache.digest import block_hashes
+from app.engine.errors import EngineUnavailable
 from app.engine.request import RequestOutput, SamplingParams
 from app.models.loader import read_config, resolve_model_dir
 from app.models.tokenizer import Tokenizer
-from deployments import controller as controller_mod
+from deployments.controller import ControllerClient
 from deployments.messages import GenerateRequest
+
+log = logging.getLogger("ray.serve")
+# A replica that died (RayActorError: ActorDiedError, ActorUnavailableError) or whose engine cannot step
+# (EngineUnavailable, raised by the replica before any output): another replica may serve the request.
+RETRYABLE = (RayActorError, EngineUnavailable)
+SERVING = {"HEALTHY", "UPSCALING", "DOWNSCALING"}  # engine deployment statuses in which every replica serves
+_SALTED = "salt" in inspect.signature(block_hashes).parameters
 
 
 class RayBackend:
     def __init__(self, handle, tokenizer: Tokenizer, max_model_len: int, digest_block: int, controller_cfg: dict):
         self.handle = handle.options(stream=True)
+        self.app_name, self.deployment_name = handle.app_name, handle.deployment_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.digest_block = digest_block
-        self.controller_cfg = controller_cfg
         self.metrics = ApiMetrics()
-        self._controller = None
+        self.controller = ControllerClient(controller_cfg["actor"])
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context length {self.max_model_len}")
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        req = GenerateRequest(prompt_ids, params, prompt=self.tokenizer.decode(prompt_ids),
-                              hashes=block_hashes(prompt_ids, self.digest_block))
-        start, first = time.perf_counter(), True
-        try:
-            async for out in self.handle.generate.remote(req):
-                if first:
-                    self.metrics.ttft.observe(time.perf_counter() - start)
-                    first = False
-                yield RequestOutput(**out)
-            self.metrics.requests.labels(route="generate", outcome="ok").inc()
-        except Exception:
-            self.metrics.requests.labels(route="generate", outcome="error").inc()
-            raise
+    def _hashes(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        salt = getattr(params, "cache_salt", None)
+        if _SALTED:
+            return block_hashes(prompt_ids, self.digest_block, salt=salt)
+        return block_hashes(prompt_ids, self.digest_block)
 
-    async def _state(self) -> dict:
-        if self._controller is None:
-            self._controller = controller_mod.get_or_create(**self.controller_cfg["actor"])
-        return await self._controller.state.remote()
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; `deadline` (absolute time.time()) goes to the engine."""
+        req = GenerateRequest(prompt_ids, params, prompt=self.tokenizer.decode(prompt_ids),
+                              hashes=self._hashes(prompt_ids, params), deadline=deadline)
+        start, streamed, retried = time.perf_counter(), False, False
+        while True:
+            try:
+                async for out in self.handle.generate.remote(req):
+                    if not streamed:
+                        self.metrics.ttft.observe(time.perf_counter() - start)
+                        streamed = True
+                    yield RequestOutput(**out)
+                self.metrics.requests.labels(route="generate", outcome="ok").inc()
+                return
+            except RETRYABLE as exc:
+                if streamed or retried or (deadline is not None and time.time() >= deadline):
+                    self.metrics.requests.labels(route="generate", outcome="error").inc()
+                    raise
+                log.warning("replica failed before the first token, retrying once on another: %r", exc)
+                self.metrics.retries.inc()
+                retried, req.avoid = True, _failed_replica(exc)
+            except Exception as exc:
+                outcome = "rejected" if type(exc).__name__ == "BackPressureError" else "error"
+                self.metrics.requests.labels(route="generate", outcome=outcome).inc()
+                raise
+
+    async def health(self) -> None:
+        """Raise unless every engine replica can step.
+
+        Serve's view of the engine deployment decides: each replica's `check_health` probes its engine's step
+        thread (`AsyncEngine.check_alive`) every `health_check_period_s`, and a failed probe makes the
+        deployment UNHEALTHY until Serve has replaced that replica. Asking Serve costs one controller call and
+        needs no private API to address replicas one by one; the price is a lag of up to one health-check
+        period after an engine stops."""
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(self.app_name)
+        dep = app.deployments.get(self.deployment_name) if app else None
+        if dep is None:
+            raise EngineUnavailable(f"engine deployment {self.deployment_name!r} not found")
+        if getattr(dep.status, "value", dep.status) not in SERVING or not dep.replica_states.get("RUNNING"):
+            raise EngineUnavailable(f"engine deployment is {dep.status}: {dep.message or dep.replica_states}")
 
     async def metrics_text(self) -> str:
-        state = await self._state()
+        state = await self.status()
         flat = {k: v for k, v in state.items() if isinstance(v, (int, float, bool))}
         return self.metrics.render(state.get("replicas", {}), flat)
 
     async def status(self) -> dict:
-        return await self._state()
+        return await self.controller.call("state")
+
+
+def _failed_replica(exc: Exception) -> str | None:
+    """The replica id an EngineUnavailable names (the replica sets it; Ray wraps the exception as `cause`). A
+    replica that died needs none: Serve's router drops it by itself."""
+    return getattr(exc, "replica", None) or getattr(getattr(exc, "cause", None), "replica", None)
 
 
 @serve.ingress()

@@ -14,4 +14,6 @@ class GenerateRequest:
     params: SamplingParams
     prompt: str = ""
     request_id: str | None = None
-    hashes: list[int] = field(default_factory=list)  # block hashes, computed once by the ingress
+    hashes: list[int] = field(default_factory=list)  # block hashes (salted by params.cache_salt), from the ingress
+    deadline: float | None = None  # absolute time.time() after which the engine gives the request up
+    avoid: str | None = None  # a retry's: the replica (id) that failed it, which our router then skips

@@ -3,13 +3,20 @@
 - `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
   chunk, the full text and token ids on the last.
 - `record_routing_stats()` publishes the queue length and the digest of prefixes it holds checkpoints for.
-- A background loop pushes a telemetry window to the tuning controller every `window_s` and applies the
-  assignment it reads back (between engine steps; a codec change drops the old checkpoints).
+- A background loop pushes a telemetry window to the tuning controller every `window_s` (with the setting it
+  runs, which a recreated controller adopts) and applies the assignment it reads back (between engine steps;
+  a codec change drops the old checkpoints). It retunes only when the assigned setting differs from the one it
+  runs: a recreated controller restarts its version counter, and that alone must not flush the cache.
+- `check_health()` (Serve calls it every `health_check_period_s`) probes the engine's step thread
+  (`AsyncEngine.check_alive`, no generation): a replica whose engine cannot step fails it and Serve replaces it.
+- `__del__` (Serve calls it on graceful shutdown, after waiting up to `graceful_shutdown_timeout_s` for the
+  requests in flight) drains and stops the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import statistics
 import time
@@ -21,37 +28,48 @@ from app.cache.digest import tree_digest
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
+from app.engine.errors import EngineUnavailable
 from app.engine.tp import build_engine
-from deployments import controller as controller_mod
+from deployments.controller import ControllerClient
 from deployments.messages import GenerateRequest
 
 log = logging.getLogger("ray.serve")
+SETTING_FIELDS = ("w_max", "policy", "interval")
 
 
 class EngineReplica:
     def __init__(self, model: str, engine: dict, digest_block: int, controller: dict, threads: int = 1,
-                 tp_size: int = 1, placement: str = "off") -> None:
+                 tp_size: int = 1, placement: str = "off", alive_timeout_s: float = 10.0,
+                 drain_timeout_s: float = 10.0) -> None:
         torch.set_num_threads(threads)
         # built in the engine's step thread, where all its torch work runs (see AsyncEngine)
         self.engine = AsyncEngine(lambda: build_engine(model, EngineConfig(**engine), tp_size, placement))
         self.digest_block = digest_block
+        self.alive_timeout_s, self.drain_timeout_s = alive_timeout_s, drain_timeout_s
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._deadlines = "deadline" in inspect.signature(self.engine.generate).parameters
         self._ttfts: list[float] = []
         self._requests = 0
         self._last = self.engine.snapshot()
         self._stats_version = 0
         self._applied_version = 0
-        self._controller_cfg = controller
-        self._controller = None  # telemetry always flows (for /metrics); the controller tunes only if enabled
+        self._window_s = controller.get("window_s", 10.0)
+        # telemetry always flows (for /metrics); the controller tunes only if enabled
+        self._controller = ControllerClient(controller["actor"])
         self._task = asyncio.get_event_loop().create_task(self._telemetry_loop())
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
-        async for out in self.engine.generate(request.prompt_ids, request.params, request.request_id):
-            if first:
-                self._ttfts.append(time.perf_counter() - start)
-                first = False
-            yield {**out.wire(), "replica": self.replica_id}
+        extra = {"deadline": request.deadline} if self._deadlines else {}
+        try:
+            async for out in self.engine.generate(request.prompt_ids, request.params, request.request_id, **extra):
+                if first:
+                    self._ttfts.append(time.perf_counter() - start)
+                    first = False
+                yield {**out.wire(), "replica": self.replica_id}
+        except EngineUnavailable as exc:
+            exc.replica = self.replica_id  # the ingress retries elsewhere and tells the router to skip this one
+            raise
         self._requests += 1
 
     async def record_routing_stats(self) -> dict:
@@ -66,18 +84,46 @@ class EngineReplica:
     async def snapshot(self) -> dict:
         return await asyncio.to_thread(self.engine.snapshot)
 
+    async def check_health(self) -> None:
+        """Serve's health check: raises (EngineUnavailable) unless the engine's step thread comes round its loop
+        within `alive_timeout_s` (keep it below the deployment's health_check_timeout_s)."""
+        await asyncio.to_thread(self.engine.check_alive, self.alive_timeout_s)
+
+    async def stop_engine(self) -> str:
+        """Stop this replica's engine (operators and tests: a replica that cannot step). Its health check then
+        fails and Serve replaces it; requests reaching it meanwhile fail before their first token, so the
+        ingress retries them on another replica. Returns this replica's id."""
+        await asyncio.to_thread(self.engine.shutdown)
+        return self.replica_id
+
+    def __del__(self) -> None:
+        """Graceful shutdown: Serve has waited for the requests in flight; let the engine finish what it still
+        holds (`AsyncEngine.drain`, where the engine has it), then stop its thread."""
+        task, engine = getattr(self, "_task", None), getattr(self, "engine", None)
+        if task is not None:
+            task.cancel()
+        if engine is None:
+            return
+        if hasattr(engine, "drain"):
+            try:
+                engine.drain(self.drain_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - shutting down regardless
+                log.warning("engine drain failed: %r", exc)
+        engine.shutdown()
+
     async def _telemetry_loop(self) -> None:
-        cfg = self._controller_cfg
         while True:
-            await asyncio.sleep(cfg.get("window_s", 10.0))
+            await asyncio.sleep(self._window_s)
             try:
                 await self._push_and_apply()
             except Exception as exc:  # noqa: BLE001 - telemetry must never take the replica down
                 log.warning("telemetry window failed: %r", exc)
 
+    def _setting(self) -> dict:
+        cfg = self.engine.engine.cfg
+        return {k: getattr(cfg, k) for k in SETTING_FIELDS}
+
     async def _push_and_apply(self) -> None:
-        if self._controller is None:
-            self._controller = controller_mod.get_or_create(**self._controller_cfg["actor"])
         snap = await asyncio.to_thread(self.engine.snapshot)
         last, self._last = self._last, snap
         ttfts, self._ttfts = self._ttfts, []
@@ -91,8 +137,10 @@ class EngineReplica:
             "evictions": snap["checkpoint_evictions"] - last["checkpoint_evictions"],
             "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
         }
-        await self._controller.report.remote(window, {k: v for k, v in snap.items() if not isinstance(v, dict)})
-        version, setting = await self._controller.assignment.remote(self.replica_id)
-        if version != self._applied_version:
+        flat = {k: v for k, v in snap.items() if not isinstance(v, dict)}
+        running = self._setting()
+        await self._controller.call("report", window, flat, running)
+        version, setting = await self._controller.call("assignment", self.replica_id, running)
+        if setting != running:
             await asyncio.to_thread(self.engine.call, lambda e: e.retune(**setting))
-            self._applied_version = version
+        self._applied_version = version

@@ -9,6 +9,9 @@ flight would not).
 
 Knobs (deployment `request_router_kwargs`): block_size, min_match_tokens, max_queue_gap, max_ratio,
 share_window — see `RouterKnobs` — and remember_s (see `RouterMemory`).
+
+A retried request names the replica that failed it (`GenerateRequest.avoid`: its engine could not step); that
+replica is left out unless it is the only one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class PrefixAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         chain = _chain(pending_request)
+        avoid = getattr(pending_request.args[0], "avoid", None) if pending_request and pending_request.args else None
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [self._candidate(r) for r in candidate_replicas]
         return [[by_id[i] for i in tier] for tier in rank(candidates, chain, self.knobs)]

@@ -1,5 +1,6 @@
 """Prometheus metrics of the API: request counts and TTFT observed at the front door, plus engine and
-controller state published as gauges at scrape time (one label set per replica)."""
+controller state published as gauges at scrape time (one label set per replica; a replica the controller no
+longer lists, because it died or was replaced, leaves them at the next scrape)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,25 @@ class ApiMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("dasc_requests", "API requests by route and outcome", ["route", "outcome"],
                                 registry=self.registry)
+        self.retries = Counter("dasc_retries", "requests retried on another replica after theirs failed before "
+                               "the first token", registry=self.registry)
         self.ttft = Histogram("dasc_ttft_seconds", "time to first token seen by the API", buckets=TTFT_BUCKETS,
                               registry=self.registry)
         self.engine = {k: Gauge(f"dasc_engine_{k}", doc, ["replica"], registry=self.registry)
                        for k, doc in ENGINE_GAUGES.items()}
         self.controller = Gauge("dasc_controller", "tuning controller state", ["field"], registry=self.registry)
+        self._replicas: set[str] = set()  # replicas with label sets in the engine gauges
 
     def render(self, snapshots: dict[str, dict], controller: dict | None = None) -> str:
+        """The registry as Prometheus text, with the engine gauges set from `snapshots` (the replicas alive now,
+        by id) and the controller gauge from `controller` (flat numeric fields)."""
+        for gone in self._replicas - snapshots.keys():
+            for gauge in self.engine.values():
+                try:
+                    gauge.remove(gone)
+                except KeyError:  # this gauge never had a value for it
+                    pass
+        self._replicas = set(snapshots)
         for replica, snap in snapshots.items():
             for key, gauge in self.engine.items():
                 value = snap.get(key)

@@ -13,9 +13,11 @@ so that a loaded machine only makes the tests slower.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
+import threading
 import time
 
 import httpx
@@ -28,6 +30,7 @@ from deployments import controller as controller_mod
 from deployments.builder import build_app
 
 KEY = "test-key"
+LONG = 2000  # max_tokens of the streams held open (with ignore_eos): tens of seconds of decoding here
 pytestmark = pytest.mark.slow
 
 
@@ -84,7 +87,7 @@ def server(cluster):
         "engine": {"checkpoint_budget_mb": 8},
         "router": {"stats_period_s": 0.5, "min_match_tokens": 16},
         "controller": {"enabled": False, "window_s": 0.5},
-        "api": {"api_key": KEY, "max_prompt_tokens": 2048, "max_tokens_limit": 64},
+        "api": {"api_key": KEY, "max_prompt_tokens": 2048, "max_tokens_limit": LONG},
     })
     serve.run(app, name="dasc", route_prefix="/")
     _wait_ready(cluster)
@@ -192,6 +195,61 @@ def test_skewed_workload_stays_balanced(server):
         fp = c.completions.create(model="kda-tiny", prompt=p, max_tokens=1, temperature=0).system_fingerprint
         counts[fp] = counts.get(fp, 0) + 1
     assert len(counts) == 2 and max(counts.values()) <= 1.5 * min(counts.values()), counts
+
+
+class HeldStream:
+    """A completion streamed in a thread with long max_tokens and ignore_eos: `started` once its first token
+    arrived, `finished` once it ended (a finish_reason, or [DONE], which follows an error event too); `events`
+    holds what came; `close()` disconnects."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int = LONG) -> None:
+        self.body = {"model": "kda-tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                     "temperature": 0, "stream": True}
+        self.url, self.events = url, []
+        self.started, self.finished, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=300,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                for line in r.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if not line.startswith("data: "):
+                        continue
+                    event = line.removeprefix("data: ")
+                    self.events.append(event)
+                    chunk = {} if event == "[DONE]" else json.loads(event)
+                    if event == "[DONE]" or chunk.get("choices", [{}])[0].get("finish_reason"):
+                        self.finished.set()
+                    elif "choices" in chunk:
+                        self.started.set()
+        finally:
+            self.finished.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def test_a_ninth_request_is_answered_while_eight_streams_are_open(server):
+    """Defect 3: with Ray's default of 5 ongoing requests per ingress replica, streams 6-8 and the ninth request
+    waited for one of the first five to end. All 8 must stream at once, and the ninth be answered meanwhile."""
+    streams = [HeldStream(server, f"stream {i}: " + "abc " * (i + 1)) for i in range(8)]
+    try:
+        def all_streaming() -> bool:
+            assert not any(s.finished.is_set() for s in streams), "a stream ended before all 8 were streaming"
+            return all(s.started.is_set() for s in streams)
+
+        _wait_for(all_streaming, "8 streams streaming at once")
+        ninth = _client(server).completions.create(model="kda-tiny", prompt="ninth", max_tokens=2, temperature=0)
+        assert ninth.usage.completion_tokens >= 1
+        assert not any(s.finished.is_set() for s in streams)
+    finally:
+        for s in streams:
+            s.close()
 
 
 def test_controller_moves_off_dense_under_pressure(cluster, server):
