@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-fast gpu-check serve loadtest clean
+.PHONY: install lint test test-fast gpu-check serve loadtest reliability clean
 
 HOST ?= http://127.0.0.1:8000
 LOADTEST_TIME ?= 60s
@@ -40,6 +40,18 @@ loadtest: $(STAMP)
 	mkdir -p loadtest/results
 	$(BIN)/locust -f loadtest/locustfile.py --headless -u $(LOADTEST_USERS) -r 2 --run-time $(LOADTEST_TIME) \
 		--host $(HOST) --csv loadtest/results/make_loadtest_cpu --only-summary
+
+# The reliability suite of issue 20 (docs/reliability.md): starts its own Ray apps on loopback, runs every scenario
+# (bounded: at most 30 minutes on 2 cores) and replaces each scenario's block in docs/reliability.md.
+# RELIABILITY_ARGS="--only fuzz,catalogue" or "--short" for a part or a quick pass.
+RELIABILITY_ARGS ?=
+$(VENV)/.reliability: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,reliability]'
+	@touch $@
+
+reliability: $(VENV)/.reliability
+	RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 $(BIN)/python -m loadtest.reliability --out docs/reliability.md \
+		$(RELIABILITY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
