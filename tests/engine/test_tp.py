@@ -5,8 +5,10 @@ placement plan."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 
 from app.dasc.horizons import model_geometry, model_horizons
 from app.dasc.layout import slot_bytes
@@ -17,6 +19,7 @@ from app.engine.request import SamplingParams
 from app.engine.tp import build_engine
 from app.models.loader import load_model
 from app.models.shard import check_divisible
+from deployments.builder import ServeArgs, _replica_resources
 from tests.helpers import record_logits
 
 pytestmark = pytest.mark.slow
@@ -69,3 +72,12 @@ def test_indivisible_heads_fail_clearly():
         check_divisible(model, 3)
     with pytest.raises(ValueError, match="tp_size 3"):
         build_engine("gdn-tiny", EngineConfig(), 3)
+
+
+def test_tp2_config_fits_two_cpus():
+    """configs/tp2.yaml: 2 replicas x TP=2 on CPU; every rank's bundle together fits a 2-core machine."""
+    args = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs/tp2.yaml").read_text())
+    cfg = ServeArgs(**args["applications"][0]["args"])
+    assert (cfg.replicas, cfg.tp_size, cfg.engine.device, cfg.placement, cfg.threads) == (2, 2, "cpu", "off", 1)
+    bundles = _replica_resources(cfg)["placement_group_bundles"]
+    assert len(bundles) == 2 and cfg.replicas * sum(b["CPU"] for b in bundles) <= 2
