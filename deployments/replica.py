@@ -84,6 +84,18 @@ class EngineReplica:
     async def snapshot(self) -> dict:
         return await asyncio.to_thread(self.engine.snapshot)
 
+    async def check_integrity(self) -> dict:
+        """`Engine.check_integrity()` between steps (raises on a leaked KV or state slot), and what the engine
+        holds: the reliability suite calls it after its disconnect storm."""
+
+        def check(engine: Engine) -> dict:
+            engine.check_integrity()
+            snap = engine.snapshot()
+            return {"replica": self.replica_id, "running": snap["running"], "waiting": snap["waiting"],
+                    "kv_slots_free": engine.cache.kv.num_free, "state_slots_free": engine.scheduler.states.num_free}
+
+        return await asyncio.to_thread(self.engine.call, check)
+
     async def check_health(self) -> None:
         """Serve's health check: raises (EngineUnavailable) unless the engine's step thread comes round its loop
         within `alive_timeout_s` (keep it below the deployment's health_check_timeout_s)."""
@@ -110,6 +122,9 @@ class EngineReplica:
             except Exception as exc:  # noqa: BLE001 - shutting down regardless
                 log.warning("engine drain failed: %r", exc)
         engine.shutdown()
+        group = getattr(engine.engine, "tp_group", None)
+        if group is not None:  # TP ranks 1..T-1: stop them now rather than when they notice this process is gone
+            group.close()
 
     async def _telemetry_loop(self) -> None:
         while True:

@@ -77,7 +77,7 @@ class ApiSettings:
 
 
 def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
-    app = FastAPI(title="dasc-serve", version="0.1.0")
+    app = FastAPI(title="dasc-serve", version="0.1.0", redirect_slashes=False)  # a 307 has no JSON body
     tok = backend.tokenizer
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        max_in_flight=settings.max_in_flight)

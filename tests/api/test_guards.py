@@ -138,3 +138,10 @@ async def test_health_is_503_when_the_engine_cannot_step():
     assert ok.status_code == 200 and ok.json() == {"status": "ok"}
     assert down.status_code == 503 and down.json()["error"]["type"] == "server_error", down.text
     assert "step thread" in down.json()["error"]["message"] and down.headers["retry-after"]
+
+
+async def test_a_trailing_slash_is_a_json_404_not_a_redirect(app):
+    """FastAPI answered 307 with an empty body (not JSON) to POST /v1/completions/."""
+    async with client(app) as http:
+        r = await http.post("/v1/completions/", json={"prompt": "x", "max_tokens": 1}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["message"], r.text
