@@ -4,6 +4,10 @@ hash_k = H(hash_{k-1}, tokens of block k) over full blocks of `block` tokens fro
 `hash_block_tokens`), 64-bit blake2b, so any process computes the same values. A replica publishes the
 hashes of every full block on the path to each of its checkpoints; a request whose first i block hashes
 are all published shares (about) i * block tokens with a checkpoint there.
+
+A cache salt seeds the chain (`chain_seed`): the cache keeps each salt's prefixes apart (app/cache/radix.py), so
+a salted request's hashes match only checkpoints of its own salt, and no digest shows one tenant's prefixes
+under another's hashes.
 """
 
 from __future__ import annotations
@@ -13,8 +17,15 @@ import hashlib
 SEED = b"dasc-serve/prefix-digest/v1"
 
 
-def block_hashes(tokens: list[int], block: int) -> list[int]:
-    out, parent = [], SEED
+def chain_seed(salt: str | None) -> bytes:
+    """The chain's starting value: SEED, or for a salt a hash of SEED and the salt."""
+    if salt is None:
+        return SEED
+    return hashlib.blake2b(SEED + b"/salt/" + salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def block_hashes(tokens: list[int], block: int, salt: str | None = None) -> list[int]:
+    out, parent = [], chain_seed(salt)
     for lo in range(0, len(tokens) - block + 1, block):
         h = hashlib.blake2b(parent + repr(tokens[lo : lo + block]).encode(), digest_size=8).digest()
         out.append(int.from_bytes(h, "little"))
@@ -33,21 +44,14 @@ def matched_blocks(chain: list[int], known: set[int] | frozenset[int]) -> int:
 
 
 def tree_digest(tree, block: int, limit: int = 8192) -> list[int]:
-    """Block hashes of the prefixes of the tree's checkpoints, most recently used checkpoints first, at most
-    `limit` hashes."""
+    """Block hashes of the prefixes of the tree's checkpoints (each chain seeded by its root's salt), most
+    recently used checkpoints first, at most `limit` hashes."""
     nodes = sorted((n for n in tree.nodes() if n.checkpoint is not None), key=lambda n: -n.ckpt_access)
     seen: dict[int, None] = {}
     for node in nodes:
-        for h in block_hashes(_path_tokens(node), block):
+        salt, tokens = tree.path(node)
+        for h in block_hashes(tokens, block, salt):
             seen.setdefault(h)
         if len(seen) >= limit:
             break
     return list(seen)[:limit]
-
-
-def _path_tokens(node) -> list[int]:
-    parts = []
-    while node is not None and node.parent is not None:
-        parts.append(node.tokens)
-        node = node.parent
-    return [t for part in reversed(parts) for t in part]

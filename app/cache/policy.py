@@ -57,11 +57,17 @@ class SecondHitFilter:
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self.capacity = capacity
 
-    def seen_before(self, tokens: list[int]) -> bool:
-        key = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+    def seen_before(self, tokens: list[int], salt: str | None = None) -> bool:
+        """A salted prefix is its own (the hash is keyed by the salt), as in the tree: one tenant's prompt does
+        not admit another's checkpoint."""
+        key = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16, key=_salt_key(salt)).digest()
         hit = key in self._seen
         self._seen[key] = None
         self._seen.move_to_end(key)
         if len(self._seen) > self.capacity:
             self._seen.popitem(last=False)
         return hit
+
+
+def _salt_key(salt: str | None) -> bytes:
+    return b"" if salt is None else hashlib.blake2b(salt.encode("utf-8", "surrogatepass")).digest()

@@ -44,8 +44,12 @@ class PrefixCache:
         self.counters = CacheCounters()
 
     # ------------------------------------------------------------------ lookup and sharing
-    def match(self, tokens: list[int], limit: int | None = None) -> MatchResult:
-        return self.tree.match(tokens, limit)
+    def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
+        return self.tree.match(tokens, limit, salt=salt)
+
+    def root(self, salt: str | None = None) -> Node:
+        """Where a sequence with no cache hit stands (and locks): its salt's root."""
+        return self.tree.root_of(salt)
 
     def lock(self, node: Node) -> None:
         self.tree.lock(node)
@@ -53,17 +57,17 @@ class PrefixCache:
     def unlock(self, node: Node) -> None:
         self.tree.unlock(node)
 
-    def insert(self, tokens: list[int], slots: torch.Tensor) -> InsertResult:
-        """Hand a request's KV for `tokens` to the tree; slots the tree already had are freed here."""
-        res = self.tree.insert(tokens, slots)
+    def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> InsertResult:
+        """Hand a request's KV for `tokens` to the tree (under `salt`); slots the tree already had are freed here."""
+        res = self.tree.insert(tokens, slots, salt)
         dup = res.duplicates[res.duplicates != res.slots[: len(res.duplicates)]]
         if len(dup):
             self.kv.free_tensor(dup)
         return res
 
-    def admit_prompt_end(self, tokens: list[int]) -> bool:
+    def admit_prompt_end(self, tokens: list[int], salt: str | None = None) -> bool:
         """Whether a prompt-end checkpoint for this prefix should be stored (admission policy)."""
-        seen = self.second_hit.seen_before(tokens)
+        seen = self.second_hit.seen_before(tokens, salt)
         return self.admission == "always" or seen
 
     # ------------------------------------------------------------------ KV slots
@@ -99,7 +103,11 @@ class PrefixCache:
                 return False
             self.counters.checkpoint_evictions += 1
             slot = freed
-        write(slot)
+        try:
+            write(slot)
+        except BaseException:  # the worker failed to write it: the slot goes back, the node stays without one
+            self.checkpoints.free(slot)
+            raise
         self.tree.set_checkpoint(node, slot)
         self.counters.stores += 1
         self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1

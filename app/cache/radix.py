@@ -12,6 +12,11 @@ Invariants (checked by `check_integrity`):
 - lock counts never go negative and a node's lock is at least the sum of its children's (locking a node
   locks its whole path); locked nodes are never evicted, neither their KV nor their checkpoint.
 A lookup's usable hit is the deepest checkpoint at or below the KV match (`MatchResult`).
+
+Cache salts: each salt has its own root (`roots`; None's is `root`), and lookups and inserts of a request
+start at its salt's root, so requests with different salts never share a prefix: a tenant cannot learn from
+`cached_tokens` or TTFT what another tenant sent. A salted root exists while it has children or is locked
+(`root_of` makes it, `_prune` drops it once empty), so a stream of one-off salts leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -35,18 +40,20 @@ class Node:
     lock: int = 0
     kv_access: int = 0  # refreshed along the path on every match and insert
     ckpt_access: int = 0  # refreshed only when this node's checkpoint is stored or used
+    salt: str | None = None  # a root's cache salt (other nodes: None; their root tells)
 
 
 class MatchResult(NamedTuple):
     """kv_len: prompt tokens whose KV the tree holds; kv_node: node where that match ends (the match may end
-    inside its edge); checkpoint_node/checkpoint_len: deepest checkpoint at or below kv_len and at most
-    `limit` (None, 0 when there is none); kv_slots: [checkpoint_len] slots the request can share;
-    fork_len: depth of the deepest fork on the matched path below the checkpoint (a node where earlier
-    sequences already diverged, so this request is at least the third to share it) that holds no checkpoint
-    and sits at most at `limit`, else 0: a prefix worth checkpointing again after its checkpoint was evicted."""
+    inside its edge; None when the salt has no root); checkpoint_node/checkpoint_len: deepest checkpoint at
+    or below kv_len and at most `limit` (None, 0 when there is none); kv_slots: [checkpoint_len] slots the
+    request can share; fork_len: depth of the deepest fork on the matched path below the checkpoint (a node
+    where earlier sequences already diverged, so this request is at least the third to share it) that holds
+    no checkpoint and sits at most at `limit`, else 0: a prefix worth checkpointing again after its checkpoint
+    was evicted."""
 
     kv_len: int
-    kv_node: Node
+    kv_node: Node | None
     checkpoint_node: Node | None
     checkpoint_len: int
     kv_slots: torch.Tensor
@@ -66,14 +73,42 @@ class RadixTree:
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._clock = itertools.count(1)
-        self.root = Node([], torch.zeros(0, dtype=torch.long), None, 0, next(self._ids))
-        self.root.lock = 1  # the root is never evicted
+        self.root = self._new_root(None)
+        self.roots: dict[str | None, Node] = {None: self.root}
+
+    def _new_root(self, salt: str | None) -> Node:
+        """A root holds a lock of its own: it is never evicted (a salted one is pruned once empty)."""
+        return Node([], torch.zeros(0, dtype=torch.long), None, 0, next(self._ids), lock=1, salt=salt)
+
+    def root_of(self, salt: str | None) -> Node:
+        """The root of `salt`'s prefixes, made on first use."""
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = self._new_root(salt)
+        return root
+
+    def _prune(self, root: Node) -> None:
+        """Drop a salted root that holds nothing (no children, no lock but its own)."""
+        if root.salt is not None and not root.children and root.lock == 1:
+            self.roots.pop(root.salt, None)
+
+    @staticmethod
+    def path(node: Node) -> tuple[str | None, list[int]]:
+        """(the salt of `node`'s root, the tokens from that root to `node`'s end)."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return node.salt, [t for part in reversed(parts) for t in part]
 
     # ------------------------------------------------------------------ lookups
-    def match(self, tokens: list[int], limit: int | None = None, touch: bool = True) -> MatchResult:
-        """Longest cached prefix of `tokens`; the checkpoint used must sit at depth <= limit."""
+    def match(self, tokens: list[int], limit: int | None = None, touch: bool = True,
+              salt: str | None = None) -> MatchResult:
+        """Longest cached prefix of `tokens` under `salt`'s root; the checkpoint used must sit at depth <= limit."""
         limit = len(tokens) if limit is None else limit
-        node, pos = self.root, 0
+        node, pos = self.roots.get(salt), 0
+        if node is None:
+            return MatchResult(0, None, None, 0, torch.zeros(0, dtype=torch.long))
         best, best_len, fork = None, 0, 0
         path_slots: list[torch.Tensor] = []
         best_slots = 0
@@ -103,10 +138,10 @@ class RadixTree:
         return MatchResult(pos, node, best, best_len, slots, fork if fork > best_len else 0)
 
     # ------------------------------------------------------------------ updates
-    def insert(self, tokens: list[int], slots: torch.Tensor) -> InsertResult:
-        """Add `tokens` with their KV `slots` [len(tokens)], splitting edges as needed."""
+    def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> InsertResult:
+        """Add `tokens` with their KV `slots` [len(tokens)] under `salt`'s root, splitting edges as needed."""
         assert len(tokens) == len(slots) and len(tokens) > 0
-        node, pos = self.root, 0
+        node, pos = self.root_of(salt), 0
         tree_slots, dup = [], []
         now = next(self._clock)
         while pos < len(tokens):
@@ -128,9 +163,9 @@ class RadixTree:
         dup_slots = torch.cat(dup) if dup else torch.zeros(0, dtype=torch.long)
         return InsertResult(node, torch.cat(tree_slots), dup_slots)
 
-    def split_at(self, tokens: list[int], length: int) -> Node:
+    def split_at(self, tokens: list[int], length: int, salt: str | None = None) -> Node:
         """The node ending exactly at `length` tokens of `tokens` (which the tree must hold), splitting an edge."""
-        node, pos = self.root, 0
+        node, pos = self.roots[salt], 0
         while pos < length:
             child = node.children[tokens[pos]]
             if pos + len(child.tokens) > length:
@@ -160,9 +195,12 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not None:
+        while True:
             node.lock -= 1
             assert node.lock >= 0, "unlock without lock"
+            if node.parent is None:
+                self._prune(node)
+                return
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
@@ -172,11 +210,13 @@ class RadixTree:
         freed, ckpts = [], []
         count = 0
         while count < num_slots:
-            leaves = [n for n in self.nodes() if not n.children and n.lock == 0 and n is not self.root]
+            leaves = [n for n in self.nodes() if not n.children and n.lock == 0 and n.parent is not None]
             if not leaves:
                 break
             victim = min(leaves, key=lambda n: (n.kv_access, n.id))
             del victim.parent.children[victim.tokens[0]]
+            if victim.parent.parent is None:
+                self._prune(victim.parent)
             freed.append(victim.kv)
             count += len(victim.kv)
             if victim.checkpoint is not None:
@@ -195,7 +235,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ inspection
     def nodes(self):
-        stack = [self.root]
+        """Every node under every root, the roots included."""
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             yield node
@@ -210,7 +251,7 @@ class RadixTree:
     def check_integrity(self) -> None:
         seen: set[int] = set()
         for node in self.nodes():
-            if node is not self.root:
+            if node.parent is not None:
                 assert node.tokens and len(node.tokens) == len(node.kv), f"node {node.id}: edge/kv length"
                 assert node.parent.children.get(node.tokens[0]) is node, f"node {node.id}: child key"
                 assert node.depth == node.parent.depth + len(node.tokens), f"node {node.id}: depth"
@@ -222,7 +263,10 @@ class RadixTree:
             seen.update(slots)
         ckpts = [n.checkpoint for n in self.nodes() if n.checkpoint is not None]
         assert len(ckpts) == len(set(ckpts)), "checkpoint slot shared by two nodes"
-        assert self.root.checkpoint is None, "checkpoint at the root"
+        for salt, root in self.roots.items():
+            assert root.salt == salt and root.parent is None and root.depth == 0, f"root of salt {salt!r}"
+            assert root.checkpoint is None, "checkpoint at a root"
+            assert root.lock >= 1 and (salt is None or root.children or root.lock > 1), f"stale root {salt!r}"
 
 
 def _common(edge: list[int], tokens: list[int], pos: int) -> int:

@@ -19,24 +19,31 @@ import asyncio
 import atexit
 import gc
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 from app.engine.engine import Engine
-from app.engine.errors import EngineUnavailable
+from app.engine.errors import EngineError, EngineUnavailable, Overloaded, QueueTimeout
 from app.engine.request import RequestOutput, SamplingParams
+from app.engine.streams import Stream
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
-        """`engine`, or a factory the loop thread calls first (its exception is raised here)."""
+    def __init__(self, engine: Engine | Callable[[], Engine], max_buffered_outputs: int = 1024) -> None:
+        """`engine`, or a factory the loop thread calls first (its exception is raised here).
+        `max_buffered_outputs`: the most outputs a request may have waiting unread (see `Stream`)."""
         self.engine = engine if isinstance(engine, Engine) else None
+        self.max_buffered_outputs = max_buffered_outputs
         self._engine_lock = threading.Lock()  # held for a whole step
-        self._cv = threading.Condition()  # held briefly, guards the hand-over lists
+        self._cv = threading.Condition()  # held briefly, guards the hand-over lists and the streams
         self._pending: list[tuple[list[int], SamplingParams, str]] = []
         self._aborts: list[str] = []
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, Stream] = {}
+        self._waiting = 0  # requests in the engine not yet started, as the loop last counted them
         self._stopped = False
+        self._draining = False
+        self._broken: EngineUnavailable | None = None  # set when the loop ended for good
         self._probes: list[threading.Event] = []  # check_alive(): set by the loop thread when it comes round
         failed: list[BaseException] = []
         ready = threading.Event()
@@ -51,7 +58,7 @@ class AsyncEngine:
                 ready.set()
             if not failed:
                 _freeze_heap()
-                self._loop()
+                self._run_loop()
 
         self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -59,32 +66,54 @@ class AsyncEngine:
         if failed:
             raise failed[0]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs until every sequence of the request finished. Raises ValueError on bad input."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs until every sequence of the request finished. Raises ValueError on bad input,
+        Overloaded when `max_waiting` requests wait to start already, EngineUnavailable when the engine is shut
+        down, draining or broken, QueueTimeout when `deadline` (a `time.time()` value) passes before the request
+        started, and OutputOverflow when the reader falls too far behind."""
         self.engine.validate(prompt_ids, params)
+        if deadline is not None and time.time() >= deadline:
+            raise QueueTimeout("the request's queue deadline passed before it arrived")
         request_id = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline)
         with self._cv:
-            if self._stopped or not self._thread.is_alive():
-                raise EngineUnavailable("the engine is shut down")
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._admit(request_id)
+            self._streams[request_id] = stream
             self._pending.append((list(prompt_ids), params, request_id))
             self._cv.notify()
         remaining = params.n
         try:
             while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await stream.get()
                 remaining -= item.finished
                 yield item
         finally:
             with self._cv:
-                self._queues.pop(request_id, None)
+                self._streams.pop(request_id, None)
                 if remaining:
                     self._aborts.append(request_id)
                     self._cv.notify()
+
+    def _admit(self, request_id: str) -> None:
+        """Raise unless a new request may enter now (called holding `_cv`)."""
+        if self._unavailable():
+            raise EngineUnavailable(self._unavailable())
+        if self._draining:
+            raise EngineUnavailable("draining: the engine admits no new requests")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id}")
+        limit = self.engine.cfg.max_waiting
+        if limit and self._waiting + len(self._pending) >= limit:
+            raise Overloaded(f"{limit} requests are waiting to start (max_waiting)")
+
+    def _unavailable(self) -> str | None:
+        """Why the step loop cannot serve (called holding `_cv`), or None."""
+        if self._broken is not None:
+            return f"the engine is broken: {self._broken}"
+        if self._stopped or not self._thread.is_alive():
+            return "the engine is shut down"
+        return None
 
     def snapshot(self) -> dict:
         """Engine telemetry (waits for the step in flight, if any)."""
@@ -98,21 +127,59 @@ class AsyncEngine:
 
     def check_alive(self, timeout_s: float = 10.0) -> None:
         """Raise EngineUnavailable unless the step thread is alive and comes round its loop within `timeout_s`
-        (a step in flight finishes first). Cheap: no generation, no model call."""
+        (a step in flight finishes first), and the worker, if it can tell (a TP group: its rank processes),
+        is alive. Cheap: no generation, no model call. A draining engine is alive."""
         probe = threading.Event()
         with self._cv:
-            if self._stopped or not self._thread.is_alive():
-                raise EngineUnavailable("the engine's step thread is not running")
+            if reason := self._unavailable():
+                raise EngineUnavailable(reason)
             self._probes.append(probe)
             self._cv.notify()
+        worker_check = getattr(self.engine.worker, "check_alive", None)
+        if worker_check is not None:
+            worker_check()
         if not probe.wait(timeout_s):
             raise EngineUnavailable(f"the engine's step thread did not come round within {timeout_s:g} s")
 
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Graceful stop: admit no new request (EngineUnavailable), wait up to `timeout_s` for the requests in
+        flight to be read to their end, then fail the rest with EngineUnavailable and abort them. The step
+        thread keeps running (shutdown() ends it)."""
+        with self._cv:
+            self._draining = True
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self._cv:
+                if not self._streams:
+                    return
+            await asyncio.sleep(0.05)
+        self._fail_all(EngineUnavailable(f"draining: the request did not finish within {timeout_s:g} s"))
+
     def shutdown(self) -> None:
+        """End the step thread; requests still in flight fail with EngineUnavailable."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the step thread
+    def _run_loop(self) -> None:
+        """The loop, and what ends it: shutdown, or an error that leaves the engine unable to step (a dead TP
+        rank raises EngineUnavailable; anything raised outside a step is a bug of the loop itself). Either way
+        every open request fails at once, and later calls are refused."""
+        try:
+            self._loop()
+            exc = EngineUnavailable("the engine was shut down")
+        except BaseException as e:  # noqa: BLE001 - the loop is over; its requests must not hang
+            exc = e if isinstance(e, EngineUnavailable) else EngineUnavailable(f"the engine loop failed: {e!r}")
+            with self._cv:
+                self._broken = exc
+        self._fail_all(exc)
+        with self._cv:
+            aborts, self._aborts = self._aborts, []
+        with self._engine_lock:  # bookkeeping only: no worker call
+            for request_id in aborts:
+                self.engine.abort(request_id)
 
     def _loop(self) -> None:
         while True:
@@ -127,6 +194,7 @@ class AsyncEngine:
                     return
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
+                self._waiting += len(pending)  # in transit: still counted until `_expire_and_count` recounts
             with self._engine_lock:
                 for prompt, params, request_id in pending:
                     try:
@@ -135,32 +203,54 @@ class AsyncEngine:
                         self._fail(request_id, exc)
                 for request_id in aborts:
                     self.engine.abort(request_id)
+                self._expire_and_count()
                 try:
                     outputs = self.engine.step() if self.engine.has_unfinished() else []
-                except Exception as exc:  # deliver to every waiter and drop the engine's work
-                    self._fail_all(exc)
+                except EngineUnavailable:
+                    raise  # the engine cannot step any more: _run_loop fails everything
+                except Exception as exc:  # noqa: BLE001 - the step's requests are aborted; fail every waiter
+                    self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
                     continue
+            self._deliver(outputs)
+
+    def _expire_and_count(self) -> None:
+        """Abort the requests that have not started by their deadline (QueueTimeout), and publish how many
+        wait to start, for `_admit`'s bound. Holding the engine lock."""
+        unstarted = self.engine.unstarted()
+        now = time.time()
+        with self._cv:
+            streams = {rid: self._streams.get(rid) for rid in unstarted}
+        expired = [rid for rid, s in streams.items() if s is not None and s.deadline is not None and s.deadline <= now]
+        for rid in expired:
+            self.engine.abort(rid)
+            streams[rid].fail(QueueTimeout("the request did not start before its queue deadline"))
+        with self._cv:
+            self._waiting = len(unstarted) - len(expired)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._cv:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        overflowed = [o.request_id for s, o in targets if s is not None and not s.send(o, self.max_buffered_outputs)]
+        if overflowed:
             with self._cv:
-                targets = [(self._queues.get(o.request_id), o) for o in outputs]
-            for target, out in targets:
-                if target is not None:
-                    loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                self._aborts += overflowed
 
     def _fail(self, request_id: str, exc: Exception) -> None:
         with self._cv:
-            target = self._queues.get(request_id)
-        if target is not None:
-            loop, queue = target
-            error = exc if isinstance(exc, ValueError) else RuntimeError(f"request failed: {exc!r}")
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            passes = isinstance(exc, (ValueError, EngineError))
+            stream.fail(exc if passes else RuntimeError(f"request failed: {exc!r}"))
 
     def _fail_all(self, exc: Exception) -> None:
+        """Fail every open request with `exc` and have the loop abort them (a request already aborted, or
+        never added, is a no-op for the engine)."""
         with self._cv:
-            queues = list(self._queues.items())
-        for request_id, (loop, queue) in queues:
-            self.engine.abort(request_id)
-            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine step failed: {exc!r}"))
+            streams = list(self._streams.items())
+            self._aborts += [rid for rid, _ in streams]
+            self._cv.notify()
+        for _, stream in streams:
+            stream.fail(exc)
 
 
 def _freeze_heap() -> None:

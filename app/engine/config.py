@@ -49,6 +49,8 @@ class EngineConfig:
     """
 
     max_running: int = knob(64, "sequences decoding or prefilling at once (active state slots)", ge=1)
+    max_waiting: int = knob(256, "requests queued to start before new ones are refused as overloaded (0: no "
+                                 "bound)", ge=0)
     chunk_size: int = knob(512, "most prompt tokens one sequence feeds in one step (chunked prefill)", ge=1)
     max_tokens_per_step: int = knob(2048, "token budget of a step, decode tokens and prefill pieces together", ge=1)
     kv_slots: int = knob(131072, "attention KV capacity in tokens (one slot per token)", ge=1)

@@ -93,15 +93,18 @@ class Engine:
             raise ValueError(f"request needs more KV than the engine holds ({self.cfg.kv_slots} tokens)")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError for inputs the engine cannot serve."""
+        """Queue a request; raises ValueError for inputs the engine cannot serve. Atomic: everything that can
+        raise (validation, the sequences' generators) runs before the request enters the engine's state, so a
+        request that fails here leaves nothing behind."""
         self.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id}")
         seqs = [Sequence(request_id, i, list(prompt_ids), params) for i in range(params.n)]
         for seq in seqs:
-            seq.generator = torch.Generator().manual_seed(params.seed + seq.index) if params.seed is not None else None
+            seq.generator = _generator(params.seed, seq.index)
             seq.fork_of = seqs[0] if seq.index > 0 else None
+        for seq in seqs:
             self.scheduler.add(seq)
         self._seqs[request_id] = seqs
         return request_id
@@ -119,9 +122,31 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def unstarted(self) -> list[str]:
+        """Requests none of whose sequences has been scheduled yet (still queued): what a bounded queue counts
+        and a queue timeout may abort. Samples of n > 1 start after their leader, so the leader tells."""
+        return [rid for rid, seqs in self._seqs.items() if not seqs[0].admitted_once]
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
+        """One step. If it raises (a device fault, a dead TP rank), nothing leaks: the KV slots allocated for
+        the step's pieces go back to the pool, and the requests that had a piece in it are aborted, as their
+        states may be half-written (`_drop_failed_step`); the other requests stay queued. Then it re-raises."""
         works = self.scheduler.schedule()
+        try:
+            return self._step(works)
+        except BaseException:
+            self._drop_failed_step(works)
+            raise
+
+    def _drop_failed_step(self, works: list[Work]) -> None:
+        for w in works:
+            if w.seq.num_computed == w.start:  # the piece's slots were never attached to the sequence
+                self.cache.free_kv(w.new_slots)
+        for request_id in dict.fromkeys(w.seq.request_id for w in works):
+            self.abort(request_id)
+
+    def _step(self, works: list[Work]) -> list[RequestOutput]:
         loaded, self.scheduler.loaded = self.scheduler.loaded, []
         self._refresh_loaded([s for s in loaded if s.state_slot is not None])
         if not works:
@@ -160,7 +185,7 @@ class Engine:
     def _store(self, seq: Sequence, pos: int, kind: str, snapshot_at: int | None = None) -> None:
         """Insert the sequence's KV up to `pos` into the tree and store a checkpoint there: its current state,
         or the state the last step captured `snapshot_at` tokens into its piece."""
-        res = self.cache.insert(seq.tokens[:pos], seq.kv_slots[:pos])
+        res = self.cache.insert(seq.tokens[:pos], seq.kv_slots[:pos], seq.params.cache_salt)
         self.cache.lock(res.node)
         self.cache.unlock(seq.node)
         seq.node, seq.num_shared = res.node, pos
@@ -280,7 +305,17 @@ class Engine:
         return snap
 
     def check_integrity(self) -> None:
+        """Every KV slot and checkpoint slot owned once or free (the cache), and every active-state slot held by
+        a running sequence or a held fork state, or free (the scheduler)."""
         self.cache.check_integrity(self.scheduler.private_slots())
+        forks = [seqs[0].fork for seqs in self._seqs.values() if seqs[0].fork is not None]
+        self.scheduler.check_integrity([f.state_slot for f in forks if f.state_slot is not None])
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    """Sample `index`'s generator: seed + index taken modulo 2**64, the range `manual_seed` takes (which maps a
+    negative seed s to s + 2**64 itself), so that no seed a request may carry overflows it."""
+    return None if seed is None else torch.Generator().manual_seed((seed + index) % 2**64)
 
 
 def _greedy_tokens(works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, int]:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from app.models.tokenizer import IncrementalDecoder
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what OpenAI-style clients send: a signed 64-bit integer
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_k 0 is off; `stop` strings end generation and are not returned."""
@@ -52,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, 16], got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer), got {self.seed}")
 
 
 class Status(enum.Enum):

@@ -46,15 +46,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[Work]:
-        budget = self.cfg.max_tokens_per_step
+        """The step's pieces. If a worker call raises meanwhile (loading a checkpoint into a state slot), the
+        KV slots of the pieces planned so far go back to the pool and the sequence being admitted returns to
+        the queue holding nothing; the sequences already running keep their places."""
         works: list[Work] = []
+        try:
+            self._plan(works)
+        except BaseException:
+            for w in works:
+                self.cache.free_kv(w.new_slots)
+            raise
+        return works
+
+    def _plan(self, works: list[Work]) -> None:
+        budget = self.cfg.max_tokens_per_step
         decoding = [s for s in self.running if s.num_computed >= s.num_tokens - 1]
         prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
         if decoding and len(decoding) <= budget:  # one token each: one allocation for all of them
             slots = self.cache.alloc_kv(len(decoding))
             if slots is not None:
-                works = [Work(seq, seq.num_computed, seq.num_computed + 1, one)
-                         for seq, one in zip(decoding, slots.split(1))]
+                works.extend(Work(seq, seq.num_computed, seq.num_computed + 1, one)
+                             for seq, one in zip(decoding, slots.split(1)))
                 budget -= len(decoding)
                 decoding = []
         for seq in decoding + prefilling:
@@ -71,14 +83,17 @@ class Scheduler:
             if seq.fork_of is not None and not _fork_ready(seq):
                 break
             self.waiting.popleft()
-            self._admit(seq)
+            try:
+                self._admit(seq)
+            except BaseException:
+                self._requeue(seq)
+                raise
             work = self._piece(seq, budget, works)
             if work is None:
                 self.preempt(seq)
                 break
             works.append(work)
             budget -= work.end - work.start
-        return works
 
     def _piece(self, seq: Sequence, budget: int, scheduled: list[Work]) -> Work | None:
         end = seq.next_end(min(budget, self.cfg.chunk_size))
@@ -107,20 +122,24 @@ class Scheduler:
         tokens = seq.tokens
         limit = len(tokens) - 1  # at least one token is always computed, to produce logits
         use_cache = self.cfg.enable_cache or seq.fork_of is not None
-        match = self.cache.match(tokens, limit) if use_cache else None
+        salt = seq.params.cache_salt
+        match = self.cache.match(tokens, limit, salt) if use_cache else None
+        hit = match is not None and match.checkpoint_node is not None
         seq.state_slot = self.states.alloc(1)[0]
-        if match is not None and match.checkpoint_node is not None:
-            seq.node = match.checkpoint_node
-            seq.num_computed = match.checkpoint_len
+        if hit:
+            seq.node, seq.num_computed = match.checkpoint_node, match.checkpoint_len
             seq.kv_slots = match.kv_slots.clone()
+        else:
+            seq.node, seq.num_computed = self.cache.root(salt), 0
+            seq.kv_slots = torch.zeros(0, dtype=torch.long)
+        self.cache.lock(seq.node)
+        seq.num_shared = seq.num_computed
+        # what the sequence holds is recorded above, so that `release` gives it all back if the worker raises
+        if hit:
             self.worker.load(self.cache.load_checkpoint(seq.node), seq.state_slot)
             self.loaded.append(seq)
         else:
-            seq.node = self.cache.tree.root
-            seq.num_computed, seq.kv_slots = 0, torch.zeros(0, dtype=torch.long)
             self.worker.zero(seq.state_slot)
-        self.cache.lock(seq.node)
-        seq.num_shared = seq.num_computed
         if not seq.admitted_once:
             seq.cached_len = min(seq.num_computed, seq.prompt_len)
             seq.replayed = max(0, min(match.kv_len, limit) - seq.num_computed) if match is not None else 0
@@ -132,17 +151,17 @@ class Scheduler:
     def _admit_fork(self, seq: Sequence, hold: ForkHold) -> None:
         """A sample of an n > 1 request starts from its leader's exact state at the fork point; the last one
         takes the held slot itself."""
-        hold.waiting -= 1
-        if hold.waiting == 0:
-            seq.state_slot, hold.state_slot = hold.state_slot, None
-        else:
-            seq.state_slot = self.states.alloc(1)[0]
-            self.worker.copy_state(hold.state_slot, None, seq.state_slot)
+        last = hold.waiting == 1
+        seq.state_slot = hold.state_slot if last else self.states.alloc(1)[0]
         seq.node, seq.num_computed, seq.kv_slots = hold.node, hold.pos, hold.kv_slots.clone()
         self.cache.lock(seq.node)
-        if hold.state_slot is None:
-            self.cache.unlock(hold.node)
         seq.num_shared = seq.cached_len = hold.pos
+        if not last:
+            self.worker.copy_state(hold.state_slot, None, seq.state_slot)  # if it raises, the caller requeues
+        hold.waiting -= 1
+        if last:
+            hold.state_slot = None
+            self.cache.unlock(hold.node)
         seq.admitted_once = True
         seq.cuts = self._plan_cuts(seq, None)
         seq.status = Status.RUNNING
@@ -155,7 +174,11 @@ class Scheduler:
         if leader.fork is not None or self.states.num_free == 0:
             return
         slot = self.states.alloc(1)[0]
-        self.worker.copy_state(leader.state_slot, snapshot_at, slot)
+        try:
+            self.worker.copy_state(leader.state_slot, snapshot_at, slot)
+        except BaseException:
+            self.states.free([slot])
+            raise
         self.cache.lock(leader.node)
         leader.fork = ForkHold(leader.node, pos, leader.kv_slots[:pos].clone(), slot, leader.params.n - 1)
 
@@ -182,7 +205,8 @@ class Scheduler:
                 for pos in (match.fork_len, match.kv_len):
                     if pos and seq.num_computed + self.cfg.checkpoint_min_gap <= pos <= prompt_end:
                         cuts[pos] = "branch"
-            if prompt_end > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:prompt_end]):
+            salt = seq.params.cache_salt
+            if prompt_end > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:prompt_end], salt):
                 cuts[prompt_end] = "prompt_end"
         if seq.params.n > 1 and seq.index == 0 and prompt_end > seq.num_computed:
             cuts[prompt_end] = "fork"
@@ -191,8 +215,11 @@ class Scheduler:
     # ------------------------------------------------------------------ release
     def preempt(self, seq: Sequence) -> None:
         """Give back everything the sequence holds; it returns to the front of the queue to recompute."""
-        self.release(seq)
+        self._requeue(seq)
         self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        self.release(seq)
         seq.status = Status.WAITING
         seq.num_computed = 0
         seq.kv_slots = torch.zeros(0, dtype=torch.long)
@@ -214,6 +241,18 @@ class Scheduler:
 
     def private_slots(self) -> list[torch.Tensor]:
         return [s.kv_slots[s.num_shared :] for s in self.running]
+
+    def check_integrity(self, fork_slots: list[int] = ()) -> None:
+        """Every active-state slot is held by one running sequence or one held fork state (`fork_slots`), or
+        free, exactly once; a waiting sequence holds nothing."""
+        held = [s.state_slot for s in self.running] + list(fork_slots)
+        free = self.states.free_ids()
+        assert None not in held, "running sequence without a state slot"
+        assert len(held) == len(set(held)), "state slot held twice"
+        assert not set(held) & set(free), "state slot both held and free"
+        assert len(held) + len(free) == self.states.capacity, "state slot leaked"
+        for s in self.waiting:
+            assert s.state_slot is None and s.node is None and not len(s.kv_slots), "waiting sequence holds slots"
 
 
 def _fork_ready(seq: Sequence) -> bool:

@@ -96,8 +96,6 @@ async def test_a_failed_engine_step_is_a_503_and_the_engine_serves_on(faulty):
     assert snap["running"] == 0 and snap["waiting"] == 0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="Engine.step does not give back the KV slots the "
-                   "scheduler allocated for a step whose forward raised (app/engine/engine.py)")
 async def test_a_failed_engine_step_leaks_no_cache_slot(faulty):
     local, fault = faulty
     app = build_api(local, ApiSettings(model_name="kda-tiny"))
