@@ -14,7 +14,6 @@ through untouched: the API answers it with 429.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +36,6 @@ log = logging.getLogger("ray.serve")
 # (EngineUnavailable, raised by the replica before any output): another replica may serve the request.
 RETRYABLE = (RayActorError, EngineUnavailable)
 SERVING = {"HEALTHY", "UPSCALING", "DOWNSCALING"}  # engine deployment statuses in which every replica serves
-_SALTED = "salt" in inspect.signature(block_hashes).parameters
 
 
 class RayBackend:
@@ -56,10 +54,7 @@ class RayBackend:
                              f"context length {self.max_model_len}")
 
     def _hashes(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        salt = getattr(params, "cache_salt", None)
-        if _SALTED:
-            return block_hashes(prompt_ids, self.digest_block, salt=salt)
-        return block_hashes(prompt_ids, self.digest_block)
+        return block_hashes(prompt_ids, self.digest_block, salt=params.cache_salt)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        deadline: float | None = None) -> AsyncIterator[RequestOutput]:

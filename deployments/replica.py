@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import statistics
 import time
@@ -47,7 +46,6 @@ class EngineReplica:
         self.digest_block = digest_block
         self.alive_timeout_s, self.drain_timeout_s = alive_timeout_s, drain_timeout_s
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._deadlines = "deadline" in inspect.signature(self.engine.generate).parameters
         self._ttfts: list[float] = []
         self._requests = 0
         self._last = self.engine.snapshot()
@@ -60,9 +58,9 @@ class EngineReplica:
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
-        extra = {"deadline": request.deadline} if self._deadlines else {}
         try:
-            async for out in self.engine.generate(request.prompt_ids, request.params, request.request_id, **extra):
+            async for out in self.engine.generate(request.prompt_ids, request.params, request.request_id,
+                                                  deadline=request.deadline):
                 if first:
                     self._ttfts.append(time.perf_counter() - start)
                     first = False

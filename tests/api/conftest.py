@@ -3,25 +3,15 @@ down after it. The engines hold 16k KV tokens (the model's context is 4096) and 
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from app.api.local import LocalBackend
-from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from tests.api.common import StepFault
 from tests.helpers import load_zoo
 
 CONFIG = EngineConfig(kv_slots=16384, checkpoint_budget_mb=16)
-# LocalBackend passes `deadline=` to AsyncEngine.generate, which takes it once the engine branch is merged.
-NEEDS_DEADLINE = "AsyncEngine.generate takes no deadline= yet (the engine branch adds it)"
-
-
-def skip_without_deadline() -> None:
-    if "deadline" not in inspect.signature(AsyncEngine.generate).parameters:
-        pytest.skip(NEEDS_DEADLINE)
 
 
 @pytest.fixture
@@ -31,7 +21,6 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="package")
 def backend():
-    skip_without_deadline()
     model, tok = load_zoo("kda-tiny")
     local = LocalBackend(Engine(model, tok, CONFIG))
     yield local
@@ -42,7 +31,6 @@ def backend():
 def faulty():
     """(a LocalBackend, the StepFault hooked into its model): arm the fault to make a step fail."""
     model, tok = load_zoo("kda-tiny")
-    skip_without_deadline()
     fault = StepFault()
     model.register_forward_pre_hook(fault)
     local = LocalBackend(Engine(model, tok, CONFIG))

@@ -137,7 +137,7 @@ async def test_health_is_503_when_the_engine_cannot_step():
         local.engine.shutdown()
     assert ok.status_code == 200 and ok.json() == {"status": "ok"}
     assert down.status_code == 503 and down.json()["error"]["type"] == "server_error", down.text
-    assert "step thread" in down.json()["error"]["message"] and down.headers["retry-after"]
+    assert "shut down" in down.json()["error"]["message"] and down.headers["retry-after"]
 
 
 async def test_a_trailing_slash_is_a_json_404_not_a_redirect(app):
