@@ -200,9 +200,21 @@ def calibrate(model_name: str, n: int, w_values, interval: int = 0, log=print) -
     }
 
 
+def markdown_table(records: list[dict]) -> str:
+    """The figures as docs/serving.md shows them: a row per setting, per model the hits' NLL over dense hits,
+    the share of prompts whose greedy tokens equal a cold run's, and the verdict."""
+    head = " | ".join(f"{r['model']} ({r['prompts']['count']} prompts)" for r in records)
+    rows = [f"| setting | {head} |", "|---" * (len(records) + 1) + "|"]
+    for label in records[0]["settings"]:
+        cells = [(f"NLL x{f['nll_ratio']:.4f}, greedy {f['agreement']:.0%}: {'**allowed**' if f['allowed'] else 'no'}"
+                  if (f := r["settings"].get(label)) else "not measured") for r in records]
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m app.calibrate", description=__doc__.split("\n")[0])
-    p.add_argument("model", help="zoo name or checkpoint directory")
+    p.add_argument("model", nargs="+", help="zoo name or checkpoint directory (several only with --table)")
     p.add_argument("--prompts", type=int, default=21,
                    help="held-out prompts (a multiple of 3 spreads the lengths; with 21 one miss still passes 95%%)")
     p.add_argument("--w-max", type=float, nargs="+", default=list(W_VALUES),
@@ -210,10 +222,16 @@ def main(argv=None) -> None:
     p.add_argument("--interval", type=int, default=0, help="the engine's checkpoint interval (as configured)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--out", default=None, help=f"where to write (default: MODEL_DIR/{ALLOWANCE_FILE})")
+    p.add_argument("--table", action="store_true", help="print the models' stored figures as a markdown table")
     args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table([json.loads((resolve_model_dir(m) / ALLOWANCE_FILE).read_text()) for m in args.model]))
+        return
+    if len(args.model) != 1:
+        p.error("calibrate one model at a time")
     torch.set_num_threads(args.threads)
-    record = calibrate(args.model, args.prompts, args.w_max, args.interval)
-    out = Path(args.out) if args.out else resolve_model_dir(args.model) / ALLOWANCE_FILE
+    record = calibrate(args.model[0], args.prompts, args.w_max, args.interval)
+    out = Path(args.out) if args.out else resolve_model_dir(args.model[0]) / ALLOWANCE_FILE
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"allowed: {', '.join(record['allowed'])} -> {out}")
 

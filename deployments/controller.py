@@ -17,8 +17,9 @@ NAMESPACE = "dasc"
 
 @ray.remote(num_cpus=0)
 class TuningController:
-    def __init__(self, knobs: dict, initial: dict | None, enabled: bool, window_s: float) -> None:
-        self.tuner = Tuner(TunerKnobs(**knobs), Setting(**initial) if initial else None, enabled)
+    def __init__(self, knobs: dict, initial: dict | None, enabled: bool, window_s: float,
+                 allowance: dict | None = None) -> None:
+        self.tuner = Tuner(TunerKnobs(**knobs), Setting(**initial) if initial else None, enabled, allowance)
         self.window_s = window_s
         self.snapshots: dict[str, dict] = {}
         self._loop_task = None
@@ -49,10 +50,10 @@ class TuningController:
         return {**self.tuner.state(), "replicas": self.snapshots}
 
 
-def get_or_create(knobs: dict, initial: dict | None, enabled: bool, window_s: float):
+def get_or_create(knobs: dict, initial: dict | None, enabled: bool, window_s: float, allowance: dict | None = None):
     """The named controller of this cluster (created on first use, kept until `serve.shutdown()`)."""
-    handle = TuningController.options(name=NAME, namespace=NAMESPACE, get_if_exists=True,
-                                      lifetime="detached").remote(knobs, initial, enabled, window_s)
+    handle = TuningController.options(name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+                                      ).remote(knobs, initial, enabled, window_s, allowance)
     try:  # let serve.shutdown() remove it, as Ray's own prefix-tree actor does
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
