@@ -74,7 +74,8 @@ def held_out_prompts(tok: Tokenizer, n: int) -> list[Prompt]:
     """n prompts from evenly spaced windows of the held-out stdlib files (the zoo's training split)."""
     _, held_out = split_files(stdlib_files())
     length = max(PREFIX_TOKENS) + SUFFIX_TOKENS + GREEDY_TOKENS
-    stream = TrainingStream(tok, length, snippet_fraction=0.0, files=held_out, held_out_files=held_out)
+    # no train files: only the held-out stream is tokenized (snippet_fraction 1 needs no code of its own)
+    stream = TrainingStream(tok, length, snippet_fraction=1.0, files=[], held_out_files=held_out)
     out = []
     for i, block in enumerate(stream.held_out_blocks(n, length).tolist()):
         p = PREFIX_TOKENS[i % len(PREFIX_TOKENS)]
@@ -220,7 +221,7 @@ def main(argv=None) -> None:
     p.add_argument("--w-max", type=float, nargs="+", default=list(W_VALUES),
                    help="W_max values to judge, each with nr and wr")
     p.add_argument("--interval", type=int, default=0, help="the engine's checkpoint interval (as configured)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (more oversubscribe a shared CPU)")
     p.add_argument("--out", default=None, help=f"where to write (default: MODEL_DIR/{ALLOWANCE_FILE})")
     p.add_argument("--table", action="store_true", help="print the models' stored figures as a markdown table")
     args = p.parse_args(argv)
