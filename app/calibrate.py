@@ -216,8 +216,8 @@ def markdown_table(records: list[dict]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m app.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="+", help="zoo name or checkpoint directory (several only with --table)")
-    p.add_argument("--prompts", type=int, default=21,
-                   help="held-out prompts (a multiple of 3 spreads the lengths; with 21 one miss still passes 95%%)")
+    p.add_argument("--prompts", type=int, default=40,
+                   help="held-out prompts (a multiple of 3 spreads the lengths; with 40 two misses still pass 95%%)")
     p.add_argument("--w-max", type=float, nargs="+", default=list(W_VALUES),
                    help="W_max values to judge, each with nr and wr")
     p.add_argument("--interval", type=int, default=0, help="the engine's checkpoint interval (as configured)")

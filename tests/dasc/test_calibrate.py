@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from app import calibrate
 from app.dasc.allowance import ALLOWANCE_FILE, GREEDY_TOKENS, read_allowance
@@ -17,7 +18,12 @@ from tests.helpers import load_zoo
 
 @pytest.fixture(scope="module")
 def gdn():
-    return load_zoo("gdn-tiny")
+    """One torch thread, as the script runs: two oversubscribe a shared 2-core CPU many times over."""
+    zoo = load_zoo("gdn-tiny")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield zoo
+    torch.set_num_threads(threads)
 
 
 def test_the_rule_thresholds():
@@ -57,7 +63,7 @@ def test_dense_hits_reproduce_cold_runs(gdn, monkeypatch):
     assert hit_nll == pytest.approx(cold_nll, rel=1e-4)
 
 
-def test_calibrate_writes_a_record_with_every_candidate(tmp_path, monkeypatch):
+def test_calibrate_writes_a_record_with_every_candidate(gdn, tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "PREFIX_TOKENS", (40, 56, 72))
     out = tmp_path / "allowance.json"
     calibrate.main(["gdn-tiny", "--prompts", "3", "--w-max", "16", "--out", str(out)])
