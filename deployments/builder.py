@@ -14,7 +14,9 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from app.dasc.allowance import read_allowance
 from app.engine.config import KNOBS, EngineConfig
+from app.models.loader import resolve_model_dir
 from deployments.controller import NAME as CONTROLLER_NAME
 from deployments.ingress import Ingress
 from deployments.replica import EngineReplica
@@ -81,6 +83,8 @@ class ControllerArgs(_Strict):
     min_requests: int = 4
     hysteresis: float = 0.05
     cooldown_windows: int = 10
+    allowed: list[str] | None = Field(None, description="settings the controller may use (dense, nr-W16, wr-W512, "
+                                      "...); unset: the model's allowance.json, and without one only dense")
 
 
 class IngressArgs(_Strict):
@@ -156,19 +160,27 @@ class ServeArgs(_Strict):
         return self
 
 
-def build_app(args: dict) -> Application:
-    cfg = ServeArgs(**(args or {}))
-    if cfg.router.kind not in ROUTERS:
-        raise ValueError(f"router.kind must be one of {sorted(ROUTERS)}, got {cfg.router.kind!r}")
+def controller_config(cfg: ServeArgs) -> dict:
+    """What the replicas and the ingress get about the tuning controller; "actor" is its constructor's kwargs."""
     c = cfg.controller
     knobs = {"max_w_nr": c.max_w_nr, "max_w_wr": c.max_w_wr, "interval": cfg.engine.interval,
              "trial_windows": c.trial_windows, "warmup_windows": c.warmup_windows,
              "refill_windows": c.refill_windows, "min_requests": c.min_requests,
              "hysteresis": c.hysteresis,
-             "cooldown_windows": c.cooldown_windows}
+             "cooldown_windows": c.cooldown_windows, "max_running": cfg.engine.max_running}
+    allowance = _allowance(cfg)
+    knobs["allowed"] = tuple(allowance["allowed"]) if allowance else None
     initial = {"w_max": cfg.engine.w_max, "policy": cfg.engine.policy, "interval": cfg.engine.interval}
-    controller = {"enabled": c.enabled, "window_s": c.window_s,
-                  "actor": {"knobs": knobs, "initial": initial, "enabled": c.enabled, "window_s": c.window_s}}
+    return {"enabled": c.enabled, "window_s": c.window_s,
+            "actor": {"knobs": knobs, "initial": initial, "enabled": c.enabled, "window_s": c.window_s,
+                      "allowance": allowance}}
+
+
+def build_app(args: dict) -> Application:
+    cfg = ServeArgs(**(args or {}))
+    if cfg.router.kind not in ROUTERS:
+        raise ValueError(f"router.kind must be one of {sorted(ROUTERS)}, got {cfg.router.kind!r}")
+    controller = controller_config(cfg)
     router_kwargs = {}
     if cfg.router.kind == "prefix":
         router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "min_match_tokens", "max_queue_gap",
@@ -191,6 +203,17 @@ def build_app(args: dict) -> Application:
         name="Ingress", num_replicas=i.replicas, max_ongoing_requests=i.max_ongoing_requests,
         max_queued_requests=i.max_queued_requests, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine_dep, cfg.model, api, cfg.router.block_size, controller)
+
+
+def _allowance(cfg: ServeArgs) -> dict | None:
+    """`controller.allowed` from the config, else the model's measured allowance.json; None: only dense."""
+    if cfg.controller.allowed is not None:
+        return {"allowed": list(cfg.controller.allowed), "source": "config: controller.allowed"}
+    try:
+        record = read_allowance(resolve_model_dir(cfg.model))
+    except FileNotFoundError:  # the model is not on this node: the replicas will say so
+        return None
+    return None if record is None else {**record, "source": f"{cfg.model}/allowance.json"}
 
 
 def _replica_resources(cfg: ServeArgs) -> dict:

@@ -31,8 +31,9 @@ UNREACHABLE = (RayActorError, ValueError)
 
 @ray.remote(num_cpus=0)
 class TuningController:
-    def __init__(self, knobs: dict, initial: dict | None, enabled: bool, window_s: float) -> None:
-        self.tuner = Tuner(TunerKnobs(**knobs), Setting(**initial) if initial else None, enabled)
+    def __init__(self, knobs: dict, initial: dict | None, enabled: bool, window_s: float,
+                 allowance: dict | None = None) -> None:
+        self.tuner = Tuner(TunerKnobs(**knobs), Setting(**initial) if initial else None, enabled, allowance)
         self.window_s = window_s
         self.snapshots: dict[str, dict] = {}
         self.adopted: dict | None = None  # the setting taken over from the first replica that reported
@@ -94,11 +95,11 @@ def _wire(setting: Setting) -> dict:
     return {"w_max": setting.w_max, "policy": setting.policy, "interval": setting.interval}
 
 
-def get_or_create(knobs: dict, initial: dict | None, enabled: bool, window_s: float):
+def get_or_create(knobs: dict, initial: dict | None, enabled: bool, window_s: float, allowance: dict | None = None):
     """The named controller of this cluster: the live one, or a new one when there is none (first use, or the
     last one died). Kept until `serve.shutdown()`. Blocking: call it from a thread in async code."""
-    handle = TuningController.options(name=NAME, namespace=NAMESPACE, get_if_exists=True,
-                                      lifetime="detached").remote(knobs, initial, enabled, window_s)
+    handle = TuningController.options(name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+                                      ).remote(knobs, initial, enabled, window_s, allowance)
     try:  # let serve.shutdown() remove it, as Ray's own prefix-tree actor does
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 

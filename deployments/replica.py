@@ -48,6 +48,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._ttfts: list[float] = []
         self._requests = 0
+        self._waiting_peak = 0  # most requests waiting in the engine seen this window (sampled with routing stats)
         self._last = self.engine.snapshot()
         self._stats_version = 0
         self._applied_version = 0
@@ -72,12 +73,12 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict:
         def collect(engine: Engine):
-            snap = engine.snapshot()
-            return snap["running"] + snap["waiting"], tree_digest(engine.cache.tree, self.digest_block)
+            return engine.snapshot(), tree_digest(engine.cache.tree, self.digest_block)
 
-        queue, digest = await asyncio.to_thread(self.engine.call, collect)
+        snap, digest = await asyncio.to_thread(self.engine.call, collect)
+        self._waiting_peak = max(self._waiting_peak, snap["waiting"])
         self._stats_version += 1
-        return {"queue": queue, "digest": digest, "version": self._stats_version}
+        return {"queue": snap["running"] + snap["waiting"], "digest": digest, "version": self._stats_version}
 
     async def snapshot(self) -> dict:
         return await asyncio.to_thread(self.engine.snapshot)
@@ -141,6 +142,7 @@ class EngineReplica:
         last, self._last = self._last, snap
         ttfts, self._ttfts = self._ttfts, []
         requests, self._requests = self._requests, 0
+        peak, self._waiting_peak = self._waiting_peak, 0
         prompt = snap["prompt_tokens"] - last["prompt_tokens"]
         window = {
             "replica": self.replica_id, "version": self._applied_version, "requests": requests,
@@ -149,6 +151,8 @@ class EngineReplica:
             "occupancy": snap["checkpoint_slots_used"] / max(snap["checkpoint_slots"], 1),
             "evictions": snap["checkpoint_evictions"] - last["checkpoint_evictions"],
             "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
+            # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
+            "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0),
         }
         flat = {k: v for k, v in snap.items() if not isinstance(v, dict)}
         running = self._setting()

@@ -17,12 +17,21 @@ checkpoint occupancy, evictions and wr replay time.
   the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
   rejected and not retried for `cooldown_windows` windows (hysteresis both ways: no flapping).
 Every change bumps a version; replicas poll their assignment and apply it between engine steps.
+
+Answer quality is the operator's decision, not a side effect: the ladder keeps only the settings the model's
+allowance permits (`allowed`, measured by `python -m app.calibrate MODEL`; docs/serving.md, "Answer quality:
+the allowance"). Where nr at a W_max is not allowed but wr is (and the wr cap permits it), the rung is wr.
+`allowed=None` means no allowance was measured: only dense, so the controller never changes answers.
+And a window in which a replica queued more than `max_running` requests or rejected any is not judged (nor
+taken as a baseline): its TTFT measures the overload, not the setting.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+
+from app.dasc.allowance import W_VALUES, setting_label
 
 
 @dataclass(frozen=True)
@@ -33,14 +42,14 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return "dense" if self.w_max is None else f"{self.policy}-W{self.w_max:g}"
+        return setting_label(self.w_max, self.policy)
 
 
 @dataclass(frozen=True)
 class TunerKnobs:
     max_w_nr: float = 128
     max_w_wr: float = 512
-    w_values: tuple[float, ...] = (16, 64, 128, 512, 1024)
+    w_values: tuple[float, ...] = W_VALUES
     interval: int = 0
     trial_windows: int = 2
     warmup_windows: int = 1
@@ -49,11 +58,19 @@ class TunerKnobs:
     hysteresis: float = 0.05
     pressure_occupancy: float = 0.95
     cooldown_windows: int = 10
+    allowed: tuple[str, ...] | None = None  # labels the allowance permits; None: none measured, only dense
+    max_running: int | None = None  # a window with more requests waiting than this is not judged
+
+    def permits(self, setting: Setting) -> bool:
+        return setting.w_max is None or (self.allowed is not None and setting.label in self.allowed)
 
     def ladder(self) -> list[Setting]:
+        """Dense, then per W_max: nr within the nr cap if allowed, else wr within the wr cap if allowed."""
         rungs = [Setting(None, "nr", self.interval)]
-        rungs += [Setting(w, "nr", self.interval) for w in self.w_values if w <= self.max_w_nr]
-        rungs += [Setting(w, "wr", self.interval) for w in self.w_values if self.max_w_nr < w <= self.max_w_wr]
+        for w in self.w_values:
+            options = [Setting(w, "nr", self.interval)] if w <= self.max_w_nr else []
+            options += [Setting(w, "wr", self.interval)] if w <= self.max_w_wr else []
+            rungs += [s for s in options if self.permits(s)][:1]
         return rungs
 
 
@@ -69,6 +86,8 @@ class Window:
     occupancy: float
     evictions: int
     wr_replay_s: float = 0.0
+    waiting: int = 0  # requests queued in the replica's engine (the peak the replica saw in the window)
+    rejected: int = 0  # requests the replica refused in the window (admission control)
 
 
 @dataclass
@@ -82,8 +101,11 @@ class Trial:
 
 
 class Tuner:
-    def __init__(self, knobs: TunerKnobs, initial: Setting | None = None, enabled: bool = True) -> None:
-        self.knobs, self.enabled = knobs, enabled
+    def __init__(self, knobs: TunerKnobs, initial: Setting | None = None, enabled: bool = True,
+                 allowance: dict | None = None) -> None:
+        """`allowance`: the model's allowance record (allowance.json), shown in `state()`."""
+        self.knobs, self.enabled, self.allowance = knobs, enabled, allowance
+        self.overloaded_windows = 0
         self.current = initial or Setting(None, "nr", knobs.interval)
         self.version = 1
         self.trial: Trial | None = None
@@ -113,7 +135,10 @@ class Tuner:
         self.window_index += 1
         if not self.enabled:
             return None
-        usable = [w for w in windows if w.requests >= self.knobs.min_requests and w.ttft_mean_s is not None]
+        overloaded = [w for w in windows if self._overloaded(w)]
+        self.overloaded_windows += len(overloaded)
+        usable = [] if overloaded else [w for w in windows
+                                        if w.requests >= self.knobs.min_requests and w.ttft_mean_s is not None]
         if self.trial is not None:
             return self._judge(usable)
         for w in usable:
@@ -121,6 +146,11 @@ class Tuner:
         if any(w.evictions > 0 or w.occupancy >= self.knobs.pressure_occupancy for w in windows):
             return self._start_trial()
         return None
+
+    def _overloaded(self, w: Window) -> bool:
+        """The replica queued more than max_running requests or rejected some: no window of this tick is judged
+        (trial and control alike), since their TTFTs measure the overload, not the settings."""
+        return w.rejected > 0 or (self.knobs.max_running is not None and w.waiting > self.knobs.max_running)
 
     def _start_trial(self) -> str | None:
         nxt = self._next_rung()
@@ -179,4 +209,15 @@ class Tuner:
                       else {"setting": asdict(self.trial.setting), "replica": self.trial.replica}),
             "trial_running": self.trial is not None, "decisions": self.decisions[-20:],
             "ladder": [r.label for r in rungs],
+            "allowed": ["dense"] + [a for a in self.knobs.allowed or () if a != "dense"],
+            "current_allowed": self.knobs.permits(self.current), "overloaded_windows": self.overloaded_windows,
+            "allowance": _figures(self.allowance),
         }
+
+
+def _figures(record: dict | None) -> dict | None:
+    """What /status shows of an allowance record: where it came from and the figures behind each verdict."""
+    if record is None:
+        return None
+    keep = ("model", "date", "commit", "rule", "interval", "cold_nll", "settings", "allowed", "source")
+    return {"prompts": (record.get("prompts") or {}).get("count"), **{k: record[k] for k in keep if k in record}}

@@ -10,6 +10,7 @@ from app.cache.digest import block_hashes, matched_blocks, tree_digest
 from app.cache.radix import RadixTree
 from deployments.routing_policy import Candidate, RouterKnobs, rank
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window
+from tests.deployments.test_tuner import ANY
 
 KNOBS = RouterKnobs(block_size=4, min_match_tokens=8, max_queue_gap=2, max_ratio=1.4, share_window=20)
 
@@ -66,7 +67,7 @@ def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):
 
 
 def test_tuner_trials_under_pressure_and_promotes_a_winner():
-    t = Tuner(TunerKnobs(max_w_nr=64, max_w_wr=512, trial_windows=2, warmup_windows=0, hysteresis=0.05))
+    t = Tuner(TunerKnobs(allowed=ANY, max_w_nr=64, max_w_wr=512, trial_windows=2, warmup_windows=0, hysteresis=0.05))
     v, s = t.assignment("r0")
     t.assignment("r1")
     assert s == Setting(None) and v == 1
@@ -86,7 +87,7 @@ def test_tuner_trials_under_pressure_and_promotes_a_winner():
 
 
 def test_tuner_rejects_a_loser_with_cooldown_and_ignores_stale_windows():
-    t = Tuner(TunerKnobs(trial_windows=2, warmup_windows=0, cooldown_windows=3))
+    t = Tuner(TunerKnobs(allowed=ANY, trial_windows=2, warmup_windows=0, cooldown_windows=3))
     t.assignment("r0"), t.assignment("r1")
     t.report(_window("r0", 1, 0.2))
     assert t.tick() == "trial nr-W16"
@@ -101,7 +102,7 @@ def test_tuner_rejects_a_loser_with_cooldown_and_ignores_stale_windows():
 
 
 def test_tuner_respects_operator_caps_and_needs_pressure():
-    knobs = TunerKnobs(max_w_nr=16, max_w_wr=128)
+    knobs = TunerKnobs(allowed=ANY, max_w_nr=16, max_w_wr=128)
     assert [s.label for s in knobs.ladder()] == ["dense", "nr-W16", "wr-W64", "wr-W128"]
     t = Tuner(knobs)
     t.assignment("r0")
@@ -111,7 +112,7 @@ def test_tuner_respects_operator_caps_and_needs_pressure():
 
 def test_trial_warmup_window_is_not_judged():
     """The window right after the switch refills an emptied cache (slow); only the windows after it count."""
-    t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=1))
+    t = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1))
     t.assignment("r0")
     t.report(_window("r0", 1, 0.30))
     assert t.tick() == "trial nr-W16"
@@ -124,7 +125,7 @@ def test_trial_warmup_window_is_not_judged():
 def test_trial_waits_while_its_hit_rate_is_refilling():
     """After the warm-up window, windows whose hit rate is still below the pre-trial one are not judged
     either, for at most refill_windows; then the trial is judged whatever its hit rate."""
-    t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=1, refill_windows=2))
+    t = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=2))
     t.assignment("r0")
     t.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3))
     assert t.tick() == "trial nr-W16"
@@ -134,7 +135,7 @@ def test_trial_waits_while_its_hit_rate_is_refilling():
     assert t.tick() is None
     t.report(Window("r0", 2, 10, 0.10, 0.9, 1.0, 0))
     assert t.tick() == "promote nr-W16"
-    slow = Tuner(TunerKnobs(trial_windows=1, warmup_windows=1, refill_windows=1))
+    slow = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=1))
     slow.assignment("r0")
     slow.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3))
     slow.tick()
@@ -146,7 +147,7 @@ def test_trial_waits_while_its_hit_rate_is_refilling():
 
 
 def test_single_replica_compares_with_its_own_history():
-    t = Tuner(TunerKnobs(trial_windows=1, warmup_windows=0))
+    t = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=0))
     t.assignment("r0")
     t.report(_window("r0", 1, 0.30))
     assert t.tick() == "trial nr-W16"
