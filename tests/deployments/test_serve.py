@@ -258,7 +258,8 @@ def test_controller_moves_off_dense_under_pressure(cluster, server):
     app = build_app({
         "model": "kda-tiny", "replicas": 1, "replica_cpus": 0.5,
         "engine": {"checkpoint_budget_mb": 0.6},  # 3 dense kda-tiny checkpoints
-        "controller": {"enabled": True, "window_s": 1.0, "trial_windows": 1, "min_requests": 2, "max_w_nr": 64},
+        "controller": {"enabled": True, "window_s": 1.0, "trial_windows": 1, "min_requests": 2, "max_w_nr": 64,
+                       "allowed": ["dense", "nr-W16", "nr-W64"]},  # the operator allows nr here (see the allowance)
     })
     serve.run(app, name="dasc", route_prefix="/")
     _wait_ready(cluster)
