@@ -90,7 +90,8 @@ class AsyncEngine:
                 yield item
         finally:
             with self._cv:
-                self._streams.pop(request_id, None)
+                if self._streams.get(request_id) is stream:  # not unregistered already (and the id reused)
+                    del self._streams[request_id]
                 if remaining:
                     self._aborts.append(request_id)
                     self._cv.notify()
@@ -228,12 +229,16 @@ class AsyncEngine:
             self._waiting = len(unstarted) - len(expired)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand the step's outputs to their readers. A request whose reader fell too far behind or is gone is
+        aborted, and its stream unregistered (its reader, if any, holds it and meets the error)."""
         with self._cv:
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        overflowed = [o.request_id for s, o in targets if s is not None and not s.send(o, self.max_buffered_outputs)]
-        if overflowed:
+        cut = [o.request_id for s, o in targets if s is not None and not s.send(o, self.max_buffered_outputs)]
+        if cut:
             with self._cv:
-                self._aborts += overflowed
+                self._aborts += cut
+                for request_id in cut:
+                    self._streams.pop(request_id, None)
 
     def _fail(self, request_id: str, exc: Exception) -> None:
         with self._cv:

@@ -26,8 +26,8 @@ class Stream:
 
     def send(self, out: RequestOutput, max_buffered: int) -> bool:
         """Queue an output for the reader. False when the reader has fallen more than `max_buffered` outputs
-        behind: then the unread outputs are dropped, the reader gets OutputOverflow, and the caller aborts the
-        request."""
+        behind (then the unread outputs are dropped and the reader gets OutputOverflow) or is gone (its event
+        loop closed): the caller aborts the request."""
         if self.closed:
             return True
         self.sent += 1
@@ -35,14 +35,23 @@ class Stream:
             self.fail(OutputOverflow(f"the reader fell more than {max_buffered} outputs behind; the request was "
                                      "aborted"), drop=True)
             return False
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        return True
+        return self._post(self.queue.put_nowait, out)
 
     def fail(self, exc: BaseException, drop: bool = False) -> None:
         """Deliver `exc` after the outputs already queued (or instead of them: `drop`); the reader raises it."""
         if not self.closed:
             self.closed = True
-            self.loop.call_soon_threadsafe(_put_error, self.queue, exc, drop)
+            self._post(_put_error, self.queue, exc, drop)
+
+    def _post(self, fn, *args) -> bool:
+        """Run fn(*args) in the reader's event loop; False (and closed) when that loop is closed already: a
+        reader gone that way must not take the step thread down with it."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            self.closed = True
+            return False
+        return True
 
     async def get(self) -> RequestOutput:
         """The next output (reader side); raises what `fail` delivered."""

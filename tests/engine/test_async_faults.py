@@ -178,13 +178,27 @@ def test_a_reader_that_stops_reading_is_cut_off_and_its_slots_freed(make):
     async def main():
         stream = engine.generate(PROMPT, LONG, request_id="slow")
         await stream.__anext__()
-        await _until(lambda: engine._streams["slow"].closed, "the request was cut off")
+        await _until(lambda: "slow" not in engine._streams, "the request was cut off")
         with pytest.raises(OutputOverflow):
             await stream.__anext__()  # the unread outputs were dropped: the error comes next
         assert len(await _run(engine)) == 4
 
     asyncio.run(main())
     _clean(engine)
+
+
+def test_a_reader_whose_event_loop_closed_does_not_stop_the_engine(make):
+    """The reader's loop closes under an open request (no async-generator shutdown): the step thread cannot post
+    to it any more, and aborts that request instead of dying."""
+    engine = make()
+    gone = asyncio.new_event_loop()
+    stream = engine.generate(PROMPT, LONG, request_id="orphan")
+    gone.run_until_complete(stream.__anext__())
+    gone.close()
+    assert len(asyncio.run(_run(engine))) == 4
+    engine.check_alive()
+    _clean(engine)
+    assert "orphan" not in engine._streams
 
 
 def test_drain_lets_requests_finish_and_refuses_new_ones(make):
