@@ -107,23 +107,23 @@ class EngineReplica:
         await asyncio.to_thread(self.engine.shutdown)
         return self.replica_id
 
-    def __del__(self) -> None:
-        """Graceful shutdown: Serve has waited for the requests in flight; let the engine finish what it still
-        holds (`AsyncEngine.drain`, where the engine has it), then stop its thread."""
+    async def __del__(self) -> None:
+        """Graceful shutdown (Serve awaits an async `__del__`): Serve has waited up to graceful_shutdown_timeout_s
+        for the requests in flight; the engine finishes what it still holds within `drain_timeout_s`
+        (`AsyncEngine.drain`: new requests are refused meanwhile, the rest fail after it), then stops."""
         task, engine = getattr(self, "_task", None), getattr(self, "engine", None)
         if task is not None:
             task.cancel()
         if engine is None:
             return
-        if hasattr(engine, "drain"):
-            try:
-                engine.drain(self.drain_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - shutting down regardless
-                log.warning("engine drain failed: %r", exc)
-        engine.shutdown()
+        try:
+            await engine.drain(self.drain_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - shutting down regardless
+            log.warning("engine drain failed: %r", exc)
+        await asyncio.to_thread(engine.shutdown)
         group = getattr(engine.engine, "tp_group", None)
         if group is not None:  # TP ranks 1..T-1: stop them now rather than when they notice this process is gone
-            group.close()
+            await asyncio.to_thread(group.close)
 
     async def _telemetry_loop(self) -> None:
         while True:

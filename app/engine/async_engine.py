@@ -42,6 +42,7 @@ class AsyncEngine:
         self._streams: dict[str, Stream] = {}
         self._waiting = 0  # requests in the engine not yet started, as the loop last counted them
         self._stopped = False
+        self._rejected = 0  # requests refused as Overloaded (telemetry: such a window is not judged by the tuner)
         self._draining = False
         self._broken: EngineUnavailable | None = None  # set when the loop ended for good
         self._probes: list[threading.Event] = []  # check_alive(): set by the loop thread when it comes round
@@ -106,6 +107,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id}")
         limit = self.engine.cfg.max_waiting
         if limit and self._waiting + len(self._pending) >= limit:
+            self._rejected += 1
             raise Overloaded(f"{limit} requests are waiting to start (max_waiting)")
 
     def _unavailable(self) -> str | None:
@@ -117,9 +119,10 @@ class AsyncEngine:
         return None
 
     def snapshot(self) -> dict:
-        """Engine telemetry (waits for the step in flight, if any)."""
+        """Engine telemetry (waits for the step in flight, if any), with `rejected`: requests refused as
+        overloaded so far."""
         with self._engine_lock:
-            return self.engine.snapshot()
+            return {**self.engine.snapshot(), "rejected": self._rejected}
 
     def call(self, fn, *args):
         """Run `fn(engine, *args)` between steps, e.g. to retune the cache."""

@@ -157,9 +157,29 @@ def test_a_full_engine_queue_is_refused_at_once(app):
             answers = [pool.submit(httpx.post, f"{app}/v1/completions", json=body, timeout=300,
                                    headers={"Authorization": "Bearer test-key"}) for _ in range(3)]
             refused = next(a.result() for a in as_completed(answers))  # one queues; the others are refused
-            assert refused.status_code in (429, 503) and refused.json()["error"]["message"], refused.text
+            assert refused.status_code == 429 and refused.headers["retry-after"], refused.text
+            assert refused.json()["error"]["message"], refused.text
             assert 'dasc_requests_total{outcome="rejected",route="generate"}' in _get(f"{app}/metrics").text
             stream.close()  # frees the slot: the queued request is served
             assert sum(a.result().status_code == 200 for a in answers) >= 1
+    finally:
+        stream.close()
+
+
+def test_shutdown_lets_a_stream_in_flight_finish(app):
+    """Graceful shutdown: deleting the app while a stream runs lets it finish (Serve waits up to
+    graceful_shutdown_timeout_s, then the replica drains its engine) instead of cutting it off."""
+    serve.run(build_app({
+        "model": "kda-tiny", "replicas": 1, "replica_cpus": 0.5, "controller": {"enabled": False, "window_s": 0.5},
+        "api": {"api_key": "test-key", "max_tokens_limit": 2000},
+    }), name="dasc", route_prefix="/")
+    _wait_ready(app)
+    stream = HeldStream(app, "a stream that outlives its app", max_tokens=300)
+    try:
+        _wait_for(stream.started.is_set, "the stream streams")
+        serve.delete("dasc", _blocking=False)
+        _wait_for(stream.finished.is_set, "the stream ends")
+        last = json.loads(next(e for e in reversed(stream.events) if e != "[DONE]"))
+        assert "error" not in last and last["choices"][0]["finish_reason"] == "length", stream.events[-3:]
     finally:
         stream.close()
