@@ -27,9 +27,15 @@ if TYPE_CHECKING:
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what OpenAI-style clients send: a signed 64-bit integer
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 is off; `stop` strings end generation and are not returned."""
+    """temperature 0 is greedy, and so is any temperature below GREEDY_BELOW (as in vLLM): logits divided by a
+    subnormal temperature overflow to inf, and sampling from them failed the whole engine step. A top_p below it
+    keeps only the most likely token (top_k 1): float32 rounds a subnormal top_p to 0, an empty nucleus. top_k 0 is off;
+    `stop` strings end generation and are not returned."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -47,6 +53,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_p < GREEDY_BELOW:
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 1)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

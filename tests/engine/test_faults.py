@@ -53,6 +53,19 @@ def test_per_sample_seeds_never_overflow(zoo):
     _idle_and_clean(engine)
 
 
+def test_subnormal_temperatures_and_top_p_do_not_fail_the_step(zoo):
+    """Found by schema fuzzing: temperature 5e-324 divided the logits into inf and failed the engine step (a 503,
+    and the step's other requests aborted). Below 1e-5 a temperature is greedy; a tiny top_p keeps the top token."""
+    engine = Engine(*zoo, CONFIG)
+    greedy = engine.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0))[0][0].output_ids
+    for temperature, top_p in ((5e-324, 5e-324), (5e-324, 1.0), (1e-6, 1.0), (1.0, 5e-324)):
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=4, temperature=temperature, top_p=top_p, seed=0))
+        assert out[0][0].finish_reason == "length"
+        if temperature < 1e-5 or top_p < 1e-5:
+            assert out[0][0].output_ids == greedy, (temperature, top_p)
+    _idle_and_clean(engine)
+
+
 def test_a_request_that_fails_in_add_request_leaves_nothing(zoo):
     engine = Engine(*zoo, CONFIG)
     with pytest.raises(RuntimeError):
