@@ -30,7 +30,7 @@ def serve_app(args: dict, num_cpus: int = 4):
     from deployments.builder import build_app
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)  # never a stale one
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -70,7 +70,7 @@ def _replicas(url: str) -> dict:
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
