@@ -39,6 +39,12 @@ SERVING = {"HEALTHY", "UPSCALING", "DOWNSCALING"}  # engine deployment statuses 
 
 
 class RayBackend:
+    # The prompts of one request run one after another: run concurrently, two handle calls made within one HTTP
+    # request and routed to different replicas never answered (found by schema fuzzing; a request with prompts
+    # ["abc", "abd"] hung with 2 replicas and not with 1). Cause not found yet; tests/deployments/test_serve.py
+    # keeps a regression test.
+    concurrent_prompts = False
+
     def __init__(self, handle, tokenizer: Tokenizer, max_model_len: int, digest_block: int, controller_cfg: dict):
         self.handle = handle.options(stream=True)
         self.app_name, self.deployment_name = handle.app_name, handle.deployment_name

@@ -136,6 +136,13 @@ def test_completion_chat_and_streaming(server):
     assert [m.id for m in c.models.list().data] == ["kda-tiny"]
 
 
+def test_a_request_with_several_prompts_is_answered(server):
+    """Found by schema fuzzing: a completion with two different prompts hung with two replicas (the ingress ran
+    the prompts' handle calls concurrently)."""
+    out = _client(server).completions.create(model="kda-tiny", prompt=["abc", "abd", "x = 1"], max_tokens=3)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.finish_reason for c in out.choices)
+
+
 def test_repeated_prefix_reports_cached_tokens(server):
     c = _client(server)
     prompt = _prompt(1)
