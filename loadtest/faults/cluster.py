@@ -3,8 +3,9 @@ a TP rank killed under load, and a two-node cluster losing its worker node.
 
 `started(app, args)` brings up what a group of scenarios needs, on loopback, and tears it down: "main" (the
 serve config's app with the controller not tuning, so the cache setting is fixed), "tp" (the TP config), or
-"two_node" (`ray start --head` plus a second `ray start --address` node on this machine, the proxy on the head
-only, replicas reserving a whole CPU so that Serve spreads them over both nodes).
+"two_node" (`ray start --head` plus a second `ray start --address` node on this machine, then `serve deploy`
+of the config: the proxy on the head only, replicas reserving a whole CPU so that Serve spreads them over both
+nodes).
 
 Replica methods used through `serve.get_deployment_handle("EngineReplica", "dasc")`: `check_integrity()`
 (see docs/reliability.md for its contract). Processes are found in the GCS actor table (no dashboard needed).
@@ -102,7 +103,7 @@ class Cluster:
 @contextmanager
 def started(app: str, args):
     if app == "two_node":
-        with two_nodes(app_args(args.config, FIXED_SETTING), args.model) as target:
+        with two_nodes(args.config, FIXED_SETTING, args.model) as target:
             yield target
         return
     config = args.tp_config if app == "tp" else args.config
@@ -262,15 +263,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def two_nodes(args: dict, model: str):
+def two_nodes(config: str | Path, overrides: dict, model: str):
+    """`ray start --head` and a second `ray start --address` node on this machine, then `serve deploy` of the
+    serve config (as an operator runs it; docs/serving.md, "Running on several machines") with `overrides`
+    merged into its app args, the proxy on the head only (two proxies on one machine would want one port) and
+    replicas reserving a whole CPU, so that Serve spreads them over both nodes."""
     import ray
     from ray import serve
 
-    from deployments.builder import build_app
-
-    gcs = free_port()
-    head = _ray_start("--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=false")
-    worker = None
+    gcs, dashboard, port = free_port(), free_port(), free_port()
+    head = _ray_start("--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
+                      "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}")
+    worker, cfg = None, merge(app_args(config, overrides), {"replica_cpus": 1.0})
     try:
         _wait_port(gcs, 60)
         worker = _ray_start(f"--address=127.0.0.1:{gcs}", "--num-cpus=2")
@@ -278,11 +282,14 @@ def two_nodes(args: dict, model: str):
         deadline = time.monotonic() + 60
         while sum(n["Alive"] for n in ray.nodes()) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
-        port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        cfg = merge(args, {"replica_cpus": 1.0})
-        serve.run(build_app(cfg), name=APP, route_prefix="/")
-        yield Target(f"http://127.0.0.1:{port}", model, cluster=Cluster(cfg, worker))
+        deployed = _deploy_config(config, cfg, port)
+        _wait_port(dashboard, 60)
+        subprocess.run([str(Path(sys.executable).with_name("serve")), "deploy", str(deployed),
+                        "--address", f"http://127.0.0.1:{dashboard}"], check=True, timeout=120,
+                       stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        _wait_health(url, 180)
+        yield Target(url, model, cluster=Cluster(cfg, worker))
     finally:
         try:
             serve.shutdown()
@@ -291,6 +298,32 @@ def two_nodes(args: dict, model: str):
             for p in (worker, head):
                 if p is not None:
                     _stop(p)
+
+
+def _deploy_config(config: str | Path, args: dict, port: int) -> Path:
+    """The serve config file `serve deploy` gets: `config` with the app's `args` replaced, its proxy on the head
+    only and on `port`; written next to nothing the repo tracks (a temporary file)."""
+    import tempfile
+
+    spec = yaml.safe_load(Path(config).read_text())
+    spec["proxy_location"] = "HeadOnly"
+    spec["http_options"] = {"host": "127.0.0.1", "port": port}
+    spec["applications"][0]["args"] = args
+    out = Path(tempfile.mkdtemp(prefix="dasc-two-node-")) / "config.yaml"
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+def _wait_health(url: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url}/health not 200 after {within_s:g} s")
 
 
 def _wait_port(port: int, within_s: float) -> None:

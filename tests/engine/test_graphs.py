@@ -62,20 +62,12 @@ def test_graph_path_forks():
     assert [[s.output_ids for s in o] for o in got] == [[s.output_ids for s in o] for o in want]
 
 
-@pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])
-def test_compiled_decode_equals_the_plain_engine(name):
-    """compile_decode: the engine compiles one step per batch bucket when it starts (here 1 and 2), and nothing
-    after: histories grow through several buckets (64-512), requests finish and batches shrink, hits and n = 2
-    forks decode, all without a recompile. Tokens equal the plain engine's, logits within float tolerance."""
-    model, tok = load_zoo(name)
-    prompts = _prompts(tok, 5, seed=2)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    cfg = dict(max_running=2, interval=32)
-    plain = Engine(model, tok, EngineConfig(**cfg))
-    compiled = Engine(model, tok, EngineConfig(**cfg, compile_decode=True))
+def _assert_compiled_equals_plain(plain: Engine, compiled: Engine, prompts, params: SamplingParams) -> None:
+    """Two rounds, n = 1 then n = 2 (the second hits the first one's checkpoints, and forks), with no recompile:
+    tokens and cached tokens equal the plain engine's, logits within float tolerance."""
     want_logits, got_logits = record_logits(plain), record_logits(compiled)
     with torch.compiler.set_stance("fail_on_recompile"):
-        for n in (1, 2):  # the second round hits the first one's checkpoints, and forks
+        for n in (1, 2):
             want = plain.generate(prompts, replace(params, n=n))
             got = compiled.generate(prompts, replace(params, n=n))
             assert [[s.output_ids for s in o] for o in got] == [[s.output_ids for s in o] for o in want]
@@ -86,10 +78,23 @@ def test_compiled_decode_equals_the_plain_engine(name):
     compiled.check_integrity()
 
 
+def test_compiled_decode_equals_the_plain_engine():
+    """compile_decode: the engine compiles one step per batch bucket when it starts (here 1 and 2), and nothing
+    after: histories grow through several buckets (64-512), requests finish and batches shrink, hits and n = 2
+    forks decode, all without a recompile. (gdn-tiny: the next test.)"""
+    model, tok = load_zoo("kda-tiny")
+    cfg = dict(max_running=2, interval=32)
+    compiled = Engine(model, tok, EngineConfig(**cfg, compile_decode=True))
+    _assert_compiled_equals_plain(Engine(model, tok, EngineConfig(**cfg)), compiled, _prompts(tok, 5, seed=2),
+                                  SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+
+
 def test_compiled_engines_of_one_process_keep_their_own_models():
     """Compiled steps skip Dynamo's guards on the model's modules, so each engine compiles its own copy of the
     step. Two engines on models with the same KV and state shapes but different MLP widths (which only the
-    skipped guards tell apart), stepped in turns, each give the tokens of a plain engine on their own model."""
+    skipped guards tell apart), stepped in turns, each give the tokens of a plain engine on their own model; the
+    first (gdn-tiny) also passes the kda-tiny test above (one batch bucket here: a compile per engine, which is
+    what makes compiled tests slow on the CPU)."""
     model, tok = load_zoo("gdn-tiny")
     config = read_config(ZOO_DIR / "gdn-tiny")
     other = build_model({**config, "intermediate_size": 2 * config["intermediate_size"]}).eval()
@@ -97,12 +102,14 @@ def test_compiled_engines_of_one_process_keep_their_own_models():
         for (_, mine), theirs in zip(other.named_parameters(), model.parameters(), strict=True):
             tiled = [2 if a != b else 1 for a, b in zip(mine.shape, theirs.shape)]
             mine.copy_(theirs.repeat(*tiled))
+    cfg = EngineConfig(max_running=1, interval=32)
+    engines = [Engine(m, tok, replace(cfg, compile_decode=True)) for m in (model, other)]
+    _assert_compiled_equals_plain(Engine(model, tok, cfg), engines[0], _prompts(tok, 5, seed=2),
+                                  SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     prompts = _prompts(tok, 2, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    cfg = EngineConfig(max_running=1, enable_cache=False)  # one batch bucket: a compile per engine
-    want = [Engine(m, tok, cfg).generate(prompts, params) for m in (model, other)]
+    want = [Engine(m, tok, replace(cfg, enable_cache=False)).generate(prompts, params) for m in (model, other)]
     assert [o[0].output_ids for o in want[0]] != [o[0].output_ids for o in want[1]]
-    engines = [Engine(m, tok, replace(cfg, compile_decode=True)) for m in (model, other)]
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(2):
             for engine, expected in zip(engines, want):

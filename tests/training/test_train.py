@@ -8,6 +8,7 @@ import json
 import torch
 
 from app.models.loader import load_model
+from app.training import corpus
 from app.training.train import lr_at, main, phase_at
 
 
@@ -17,7 +18,9 @@ def test_schedule_shapes():
     assert phase_at(0.0).seq_len < phase_at(0.99).seq_len
 
 
-def test_train_then_resume(tmp_path):
+def test_train_then_resume(tmp_path, monkeypatch):
+    a_third = corpus.stdlib_files()[::3]  # the same code paths on a third of the corpus to tokenize
+    monkeypatch.setattr(corpus, "stdlib_files", lambda: a_third)
     out = tmp_path / "run"
     main(["--preset", "gdn-tiny", "--out", str(out), "--max-steps", "1", "--threads", "1", "--save-every", "0.01"])
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
