@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -219,9 +219,12 @@ def tp_rank_kill(target: Target, o) -> Outcome:
 def two_node_failover(target: Target, o) -> Outcome:
     """Kill every process of the worker node under load: the service must serve again within 30 s."""
     import psutil
+    import ray
 
     c, out = target.cluster, Outcome()
+    head = ray.get_runtime_context().get_node_id()  # this driver joined the cluster on the head node
     nodes = {a["Address"]["NodeID"] for a in c.actors("EngineReplica")}
+    lost = {a["Name"] for a in c.actors("EngineReplica") if a["Address"]["NodeID"] != head}
     procs = [psutil.Process(c.worker.pid), *psutil.Process(c.worker.pid).children(recursive=True)]
 
     def kill_node():
@@ -236,7 +239,7 @@ def two_node_failover(target: Target, o) -> Outcome:
     back = load.first_ok_after(t_kill)
     out.figures = {"replica_nodes_before": len(nodes), "worker_processes_killed": killed, "served_again_after_s": back,
                    "fates": _fates(load, t_kill),
-                   "replicas_back_after_s": c.wait_replicas("EngineReplica", int(c.args.get("replicas", 2)), 60)}
+                   "replicas_back_after_s": c.wait_replicas("EngineReplica", int(c.args.get("replicas", 2)), 60, lost)}
     out.check("replicas on both nodes", len(nodes) == 2, "2 nodes", len(nodes))
     out.check("serves again", back is not None and back <= o.recover_s, f"within {o.recover_s:g} s", back)
     return out
@@ -272,6 +275,8 @@ def two_nodes(config: str | Path, overrides: dict, model: str):
     from ray import serve
 
     gcs, dashboard, port = free_port(), free_port(), free_port()
+    stack = ExitStack()
+    stack.enter_context(_cluster_token())
     head = _ray_start("--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
                       "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}")
     worker, cfg = None, merge(app_args(config, overrides), {"replica_cpus": 1.0})
@@ -298,6 +303,39 @@ def two_nodes(config: str | Path, overrides: dict, model: str):
             for p in (worker, head):
                 if p is not None:
                     _stop(p)
+            stack.close()
+
+
+@contextmanager
+def _cluster_token():
+    """Ray's token authentication, as a multi-machine cluster runs it: one token for the head, the worker node,
+    the `serve` CLI and this driver (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, inherited by the processes started
+    here). Set explicitly because Ray otherwise decides per process from ~/.ray/auth_token, which a driver that
+    joins an existing cluster by address does not read: with a token file on the machine the head required a
+    token and `ray.init` failed. The driver's cached auth state is refreshed on entry and exit (as Ray's own
+    tests do), since earlier local clusters of the suite cached theirs."""
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    saved = {k: os.environ.get(k) for k in keys}
+
+    def refresh():
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=generate_new_authentication_token())
+    refresh()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        refresh()
 
 
 def _deploy_config(config: str | Path, args: dict, port: int) -> Path:
