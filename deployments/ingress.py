@@ -14,12 +14,15 @@ through untouched: the API answers it with 429.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 
 from app.api.metrics import ApiMetrics
 from app.api.routes import ApiSettings, build_api
@@ -39,12 +42,6 @@ SERVING = {"HEALTHY", "UPSCALING", "DOWNSCALING"}  # engine deployment statuses 
 
 
 class RayBackend:
-    # The prompts of one request run one after another: run concurrently, two handle calls made within one HTTP
-    # request and routed to different replicas never answered (found by schema fuzzing; a request with prompts
-    # ["abc", "abd"] hung with 2 replicas and not with 1). Cause not found yet; tests/deployments/test_serve.py
-    # keeps a regression test.
-    concurrent_prompts = False
-
     def __init__(self, handle, tokenizer: Tokenizer, max_model_len: int, digest_block: int, controller_cfg: dict):
         self.handle = handle.options(stream=True)
         self.app_name, self.deployment_name = handle.app_name, handle.deployment_name
@@ -68,13 +65,16 @@ class RayBackend:
         req = GenerateRequest(prompt_ids, params, prompt=self.tokenizer.decode(prompt_ids),
                               hashes=self._hashes(prompt_ids, params), deadline=deadline)
         start, streamed, retried = time.perf_counter(), False, False
+        _own_routing_id()
         while True:
+            response, finished = self.handle.generate.remote(req), False
             try:
-                async for out in self.handle.generate.remote(req):
+                async for out in response:
                     if not streamed:
                         self.metrics.ttft.observe(time.perf_counter() - start)
                         streamed = True
                     yield RequestOutput(**out)
+                finished = True
                 self.metrics.requests.labels(route="generate", outcome="ok").inc()
                 return
             except RETRYABLE as exc:
@@ -88,6 +88,9 @@ class RayBackend:
                 outcome = "rejected" if type(exc).__name__ == "BackPressureError" else "error"
                 self.metrics.requests.labels(route="generate", outcome=outcome).inc()
                 raise
+            finally:
+                if not finished:  # the reader left (client gone, overflow, error): stop the replica's generation
+                    response.cancel()
 
     async def health(self) -> None:
         """Raise unless every engine replica can step.
@@ -112,6 +115,21 @@ class RayBackend:
 
     async def status(self) -> dict:
         return await self.controller.call("state")
+
+
+def _own_routing_id() -> None:
+    """Give the handle calls of the running task a Serve internal request id of their own.
+
+    Serve stamps every handle call made while serving a request with that request's internal id, and Ray 2.60's
+    request router indexes the calls waiting for a replica by it: two calls of one HTTP request waiting at the
+    same time (the prompts of a multi-prompt request run concurrently) collide there, the second is never
+    assigned, and the request hangs. Each generation runs in its own task (`app.api.streams.Outputs`), so setting
+    the context variable here changes only that task. Serve's cancellation of a cancelled parent's child calls
+    finds them by the parent's id and so no longer reaches these; `RayBackend.generate` cancels its own call
+    whenever its reader leaves before the end (dropping the response generator also stops it in Ray 2.60, but
+    that rests on the object being collected at once)."""
+    ctx = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex))
 
 
 def _failed_replica(exc: Exception) -> str | None:

@@ -195,7 +195,7 @@ def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, s
     """Start every prompt's generation; a stream's outputs go through the bounded buffer."""
     deadline = time.time() + settings.queue_timeout_s
     return Outputs([backend.generate(p, params, deadline=deadline) for p in prompts],
-                   settings.max_buffered_chunks if stream else None, getattr(backend, "concurrent_prompts", True))
+                   settings.max_buffered_chunks if stream else None)
 
 
 async def _collect(outputs: Outputs) -> dict[tuple[int, int], RequestOutput]:

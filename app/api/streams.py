@@ -20,21 +20,13 @@ _DONE = object()
 
 
 class Outputs:
-    def __init__(self, generations: list[AsyncIterator[RequestOutput]], max_buffered: int | None = None,
-                 concurrent: bool = True) -> None:
+    def __init__(self, generations: list[AsyncIterator[RequestOutput]], max_buffered: int | None = None) -> None:
         """`max_buffered`: outputs waiting for the reader at most (None: unbounded, for a reader that only
-        collects). `concurrent` False runs the generations one after another (see `Backend.concurrent_prompts`)."""
+        collects)."""
         self.max_buffered = max_buffered
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(generations)
-        if concurrent:
-            self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(generations)]
-        else:
-            self._tasks = [asyncio.create_task(self._pump_in_turn(generations))]
-
-    async def _pump_in_turn(self, generations: list[AsyncIterator[RequestOutput]]) -> None:
-        for i, generation in enumerate(generations):
-            await self._pump(i, generation)
+        self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(generations)]
 
     async def _pump(self, index: int, generation: AsyncIterator[RequestOutput]) -> None:
         try:

@@ -139,6 +139,20 @@ def test_a_killed_replica_ends_its_stream_cleanly_and_leaves_the_metrics(app):
     _wait_for(lambda: len(_replicas(app)) == 2 and _get(f"{app}/health").status_code == 200, "Serve replaces it")
 
 
+def test_a_client_leaving_a_multi_prompt_stream_stops_every_generation(app):
+    """The prompts' handle calls have routing ids of their own (deployments/ingress.py, `_own_routing_id`), so
+    Serve's cancellation of a parent request's calls no longer reaches them; the ingress stops each call its
+    reader leaves. A client that disconnects from a 3-prompt stream leaves no sequence running."""
+    def running() -> int:
+        return sum(s["running"] for s in _replicas(app).values())
+
+    stream = HeldStream(app, [f"leave {i}: " + "abc " * (i + 3) for i in range(3)])
+    _wait_for(stream.started.is_set, "the stream streams")
+    _wait_for(lambda: running() >= 3, "its 3 generations run")
+    stream.close()
+    _wait_for(lambda: running() == 0, "every generation stops", 60)
+
+
 def test_a_full_engine_queue_is_refused_at_once(app):
     """Admission: past the engine replicas' `max_ongoing_requests` and the handle's `max_queued_requests`, Ray's
     BackPressureError reaches the API (counted as rejected; the API answers it 429) instead of the request

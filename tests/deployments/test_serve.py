@@ -137,8 +137,9 @@ def test_completion_chat_and_streaming(server):
 
 
 def test_a_request_with_several_prompts_is_answered(server):
-    """Found by schema fuzzing: a completion with two different prompts hung with two replicas (the ingress ran
-    the prompts' handle calls concurrently)."""
+    """Found by schema fuzzing: a completion with two different prompts hung with two replicas. The ingress runs
+    the prompts' handle calls concurrently, and Serve gave them all the HTTP request's internal id, under which
+    its request router indexes the calls waiting for a replica: the second call was never assigned."""
     out = _client(server).completions.create(model="kda-tiny", prompt=["abc", "abd", "x = 1"], max_tokens=3)
     assert [c.index for c in out.choices] == [0, 1, 2] and all(c.finish_reason for c in out.choices)
 
@@ -209,7 +210,7 @@ class HeldStream:
     arrived, `finished` once it ended (a finish_reason, or [DONE], which follows an error event too); `events`
     holds what came; `close()` disconnects."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int = LONG) -> None:
+    def __init__(self, url: str, prompt: str | list[str], max_tokens: int = LONG) -> None:
         self.body = {"model": "kda-tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                      "temperature": 0, "stream": True}
         self.url, self.events = url, []
