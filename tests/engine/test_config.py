@@ -169,3 +169,24 @@ def test_the_design_docs_knob_table_matches_the_knobs():
             rows[cells[0].strip("`")] = cells[2].strip("`")
     assert set(rows) == set(KNOBS)
     assert {name: str(k.default) for name, k in KNOBS.items()} == rows
+
+
+def test_the_shipped_concurrency_limits_reach_serve():
+    """Serve's defaults (5 ongoing requests per replica; the proxy holding 128 requests for the ingress) made 5
+    open streams block every client, and dropped 44 of a 256-request burst as plain-text 503s before the API
+    could answer 429. The shipped config's limits must be the deployments' options, the ingress admitting more
+    than the engine side takes, so that overload is answered by the API."""
+    import yaml
+
+    from deployments.builder import build_app
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "config.yaml"
+    args = yaml.safe_load(config.read_text())["applications"][0]["args"]
+    ingress = build_app(args)._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    options = {d.name: d._deployment_config for d in (ingress, engine)}
+    assert options["Ingress"].max_ongoing_requests == args["ingress"]["max_ongoing_requests"] >= 256
+    assert options["Ingress"].max_queued_requests == args["ingress"]["max_queued_requests"] >= 1024
+    assert options["EngineReplica"].max_ongoing_requests == args["max_ongoing_requests"] >= 32
+    engine_side = args["replicas"] * args["max_ongoing_requests"] + args["max_queued_requests"]
+    assert options["Ingress"].max_ongoing_requests > engine_side
