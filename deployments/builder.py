@@ -108,6 +108,8 @@ class ApiArgs(_Strict):
     """The API's limits: the fields of `app.api.routes.ApiSettings` (docs/serving.md, API limits and security)."""
 
     api_key: str | None = Field(None, description="Bearer key; the DASC_API_KEY environment variable also sets it")
+    served_model_name: str | None = Field(None, description="the model name clients send (`model`; another is "
+                                          "answered 404); unset: the `model` arg")
     max_prompt_tokens: int = Field(3072, ge=1, description="prompt tokens at most (413 beyond)")
     max_tokens_limit: int = Field(1024, ge=1, description="max_tokens at most")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request names none")

@@ -145,7 +145,14 @@ class Ingress:
         cfg = read_config(model_dir)
         max_len = int(cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 4096)
         self.backend = RayBackend(engine, Tokenizer.from_dir(model_dir), max_len, digest_block, controller)
-        self.settings = ApiSettings(model_name=model, **api)
+        api = dict(api)
+        served = api.pop("served_model_name", None) or model
+        # Serve's proxy takes, makes and echoes X-Request-Id (RequestIdMiddleware); the routes' log of it goes to
+        # the replica's log through Serve's logger
+        self.settings = ApiSettings(model_name=served, request_id_header=False, **api)
+        routes_log = logging.getLogger("app.api.routes")
+        routes_log.setLevel(logging.INFO)
+        routes_log.handlers, routes_log.propagate = logging.getLogger("ray.serve").handlers, False
 
     def __serve_build_asgi_app__(self):
         return build_api(self.backend, self.settings)

@@ -15,7 +15,8 @@ import random
 
 from locust import HttpUser, between, task
 
-MODEL = os.environ.get("DASC_MODEL", "kda-tiny")
+# The served model name to send (`api.served_model_name`); unset: requests name none and get the served model.
+NAMED = {"model": os.environ["DASC_MODEL"]} if os.environ.get("DASC_MODEL") else {}
 HEADERS = {"Authorization": f"Bearer {os.environ.get('DASC_API_KEY', 'none')}"}
 PHASES = (80, 36, 16, 8, 4, 1)
 
@@ -34,7 +35,7 @@ class _ApiUser(HttpUser):
     wait_time = between(0.05, 0.3)
 
     def complete(self, prompt: str, max_tokens: int, name: str) -> None:
-        with self.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+        with self.client.post("/v1/completions", json={**NAMED, "prompt": prompt, "max_tokens": max_tokens,
                                                        "temperature": 0}, headers=HEADERS, name=name,
                               catch_response=True) as r:
             if r.status_code != 200 or "choices" not in r.json():
@@ -59,7 +60,7 @@ class ChatUser(_ApiUser):
         if len(self.history) >= 2 * self.max_turns:
             self.history = []
         self.history.append({"role": "user", "content": text_block(random.randrange(10**6), 4)})
-        with self.client.post("/v1/chat/completions", json={"model": MODEL, "messages": self.history,
+        with self.client.post("/v1/chat/completions", json={**NAMED, "messages": self.history,
                                                             "max_tokens": 12, "temperature": 0},
                               headers=HEADERS, name="chat", catch_response=True) as r:
             if r.status_code != 200:

@@ -1,7 +1,8 @@
-"""`Guard`: the ASGI layer in front of the routes. In order, for each HTTP request:
+"""`Guard`: the ASGI layer in front of the routes (and `RequestId`, X-Request-Id without Ray). In order, for
+each HTTP request:
 
-1. the API key of /v1/ routes, compared in constant time (`hmac.compare_digest` on bytes: how long the
-   comparison takes says nothing about how much of a guess was right);
+1. the API key of /v1/ routes and /tokenize, /detokenize, compared in constant time (`hmac.compare_digest` on
+   bytes: how long the comparison takes says nothing about how much of a guess was right);
 2. the body size: a bad Content-Length is 400, one over `max_body_bytes` is 413 before anything is read, and a
    body without one (chunked) is counted as it arrives: past the limit the request is answered 413 at once and
    the rest is never read (a route reading the body sees an exception, and whatever it answers is replaced);
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 
 from app.api.errors import ApiError, error_response, overloaded
 
 log = logging.getLogger(__name__)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+KEYED = ("/v1/", "/tokenize", "/detokenize")  # routes that need the API key (when one is set)
+MAX_REQUEST_ID_CHARS = 256
 
 
 class BodyTooLarge(Exception):
@@ -52,7 +56,7 @@ class Guard:
             self.in_flight -= generation
 
     def _refusal(self, scope, headers: dict[bytes, list[bytes]]) -> ApiError | None:
-        if self.expected is not None and scope["path"].startswith("/v1/"):
+        if self.expected is not None and scope["path"].startswith(KEYED):
             given = headers.get(b"authorization", [b""])
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 return ApiError(401, "missing or invalid API key", "authentication_error")
@@ -99,6 +103,35 @@ class Guard:
                               ApiError(500, f"internal error ({type(exc).__name__})", "server_error"))
         if too_large and not started:
             await _send_error(send, oversize)
+
+
+class RequestId:
+    """X-Request-Id as Serve's proxy handles it, for servers without Ray (`app.api.local`): the client's id, or a
+    new one, is put in the request's headers (the routes log it beside the response id) and echoed in the
+    response's. An id that is not printable ASCII of at most MAX_REQUEST_ID_CHARS is refused (400), since it
+    ends up in logs. Duplicates are fine: the response ids are the engine's own."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = _headers(scope).get(b"x-request-id", [])
+        if len(given) > 1 or any(len(v) > MAX_REQUEST_ID_CHARS or not all(32 < c < 127 for c in v) for v in given):
+            return await _send_error(send, ApiError(400, f"X-Request-Id: one header of at most "
+                                                         f"{MAX_REQUEST_ID_CHARS} printable ASCII characters",
+                                                    param="X-Request-Id"))
+        request_id = given[0] if given else uuid.uuid4().hex.encode()
+        if not given:
+            scope = {**scope, "headers": [*scope.get("headers", ()), (b"x-request-id", request_id)]}
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _headers(scope) -> dict[bytes, list[bytes]]:

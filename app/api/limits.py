@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from app.api.errors import ApiError
-from app.api.schemas import ChatCompletionRequest, CompletionRequest, field_path
+from app.api.schemas import CompletionRequest, field_path, unsupported_field
 from app.engine.request import SamplingParams
 from app.models.tokenizer import Tokenizer
+
+MAX_STOP_TOKEN_IDS = 64
 
 if TYPE_CHECKING:
     from app.api.routes import ApiSettings
@@ -25,6 +27,18 @@ if TYPE_CHECKING:
 def _over(param: str, what: str, count: int, cap: int) -> None:
     if count > cap:
         raise ApiError(400, f"{what}: {count} is over the limit {cap}", param=param)
+
+
+def check_request(body, settings: ApiSettings) -> None:
+    """What the API would otherwise ignore: a field it does not support (400 naming it: a client asking for
+    `tools` or `logit_bias` must not get an answer made without them) and a model it does not serve (404, as
+    OpenAI answers; a request naming no model gets the served one)."""
+    name = unsupported_field(body.model_extra, getattr(body, "n", 1))
+    if name is not None:
+        raise ApiError(400, f"{name}: not supported by this server", param=name)
+    if body.model is not None and body.model != settings.model_name:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+                       param="model", code="model_not_found")
 
 
 def completion_prompts(body: CompletionRequest, tok: Tokenizer, settings: ApiSettings) -> list[list[int]]:
@@ -38,15 +52,18 @@ def completion_prompts(body: CompletionRequest, tok: Tokenizer, settings: ApiSet
     return [list(p) for p in prompt] if batch else [list(prompt)]
 
 
-def chat_prompt(body: ChatCompletionRequest, tok: Tokenizer, settings: ApiSettings) -> list[int]:
+def chat_prompt(body, tok: Tokenizer, settings: ApiSettings, add_generation_prompt: bool = True) -> list[int]:
+    """The ids of `body.messages` (a chat completion's, or /tokenize's)."""
     _over("messages", "messages in one request", len(body.messages), settings.max_messages)
     try:
-        return tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        return tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages],
+                               add_generation_prompt=add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as e:  # the model's template refused the conversation
         raise ApiError(400, f"messages: {e}", param="messages") from e
 
 
-def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int) -> SamplingParams:
+def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int,
+                    vocab_size: int) -> SamplingParams:
     n_tokens = max_tokens or settings.default_max_tokens
     _over("max_tokens", "max_tokens", n_tokens, settings.max_tokens_limit)
     _over("n", "sequences (prompts x n)", prompts * body.n, settings.max_sequences)
@@ -54,10 +71,19 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
     _over("stop", "stop strings", len(stops), settings.max_stops)
     _over("stop", "characters in a stop string", max(map(len, stops), default=0), settings.max_stop_chars)
     _over("cache_salt", "characters in cache_salt", len(body.cache_salt or ""), settings.max_cache_salt_chars)
+    stop_ids = tuple(body.stop_token_ids or ())
+    _over("stop_token_ids", "stop token ids", len(stop_ids), MAX_STOP_TOKEN_IDS)
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise ApiError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+    if getattr(body, "echo", False) and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (the prompt's logprobs): not supported yet", param="echo")
     try:
         return SamplingParams(max_tokens=n_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               stop=tuple(stops), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
-                              cache_salt=body.cache_salt)
+                              cache_salt=body.cache_salt, logprobs=body.top_logprobs_wanted,
+                              stop_token_ids=stop_ids)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
 
@@ -68,8 +94,12 @@ def check_prompt(ids: list[int], settings: ApiSettings, tok: Tokenizer) -> None:
     if len(ids) > settings.max_prompt_tokens:
         raise ApiError(413, f"prompt has {len(ids)} tokens, over the limit {settings.max_prompt_tokens}",
                        param="prompt")
+    check_ids(ids, tok, "prompt")
+
+
+def check_ids(ids: list[int], tok: Tokenizer, param: str) -> None:
     if any(not 0 <= t < tok.vocab_size for t in ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
+        raise ApiError(400, f"{param} token ids must be in [0, {tok.vocab_size})", param=param)
 
 
 def from_validation(errors: list[dict]) -> ApiError:

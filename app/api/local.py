@@ -25,6 +25,7 @@ class LocalBackend:
         self.engine = AsyncEngine(engine)
         self.health_timeout_s = health_timeout_s
         self.tokenizer = self.engine.engine.tokenizer
+        self.max_model_len = self.engine.engine.max_model_len
         self.metrics = ApiMetrics()
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -58,11 +59,12 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="kda-tiny")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin")
     args = p.parse_args(argv)
     model_dir = resolve_model_dir(args.model)
     backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig()))
-    app = build_api(backend, ApiSettings(model_name=args.model, api_key=args.api_key,
+    app = build_api(backend, ApiSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                                cors_origins=tuple(args.cors_origin)))
     uvicorn.run(app, host="127.0.0.1", port=args.port)
 

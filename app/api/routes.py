@@ -10,6 +10,7 @@ checked here (app/api/limits.py).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -25,17 +26,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import limits
 from app.api.errors import ApiError, error_response, from_backend, openapi_responses, strip_422
-from app.api.guards import Guard
-from app.api.schemas import ChatCompletionRequest, CompletionRequest, error_body, now, usage
+from app.api.guards import Guard, RequestId
+from app.api.logprobs import CompletionLogprobs, chat_logprobs
+from app.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    now,
+    usage,
+)
 from app.api.streams import Outputs
 from app.engine.request import RequestOutput, SamplingParams
 from app.models.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 GENERATION = openapi_responses(400, 401, 404, 413, 429, 500, 503)
 
 
 class Backend(Protocol):
     tokenizer: Tokenizer
+    max_model_len: int  # longest prompt plus output, in tokens
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot be served (context length, ...)."""
@@ -71,6 +83,7 @@ class ApiSettings:
     max_messages: int = 256
     max_cache_salt_chars: int = 256
     cors_origins: Sequence[str] = ()  # empty: no CORS headers
+    request_id_header: bool = True  # echo X-Request-Id (off behind Serve's proxy, which does it itself)
     max_in_flight: int = 256  # generation requests open in this API process; beyond: 429
     queue_timeout_s: float = 60.0  # a request not started by then: 503
     max_buffered_chunks: int = 256  # stream chunks a client may fall behind before its request is aborted
@@ -81,6 +94,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     tok = backend.tokenizer
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        max_in_flight=settings.max_in_flight)
+    if settings.request_id_header:
+        app.add_middleware(RequestId)  # added last: outermost, so that refusals carry the id too
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -108,24 +123,39 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     async def status():
         return await backend.status()
 
+    @app.post("/tokenize", responses=openapi_responses(400, 401, 404, 413))
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the ids a prompt, or a conversation formatted as chat completions format it, becomes."""
+        limits.check_request(body, settings)
+        ids = (tok.encode(body.prompt) if body.prompt is not None else
+               limits.chat_prompt(body, tok, settings, body.add_generation_prompt))
+        return {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=openapi_responses(400, 401, 404, 413))
+    async def detokenize(body: DetokenizeRequest):
+        limits.check_request(body, settings)
+        limits.check_ids(body.tokens, tok, "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
     @app.post("/v1/completions", responses=GENERATION)
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
+        limits.check_request(body, settings)
         prompts = limits.completion_prompts(body, tok, settings)
-        params = limits.sampling_params(body, body.max_tokens, settings, len(prompts))
+        params = limits.sampling_params(body, body.max_tokens, settings, len(prompts), tok.vocab_size)
         for p in prompts:
             limits.check_prompt(p, settings, tok)
             _validate(backend, p, params)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = _request_id("cmpl", request)
         outputs = _start(backend, prompts, params, settings, body.stream)
         if body.stream:
             first = await _first(outputs)
             return _sse(_stream_completions(first, prompts, params, body, rid, settings, tok))
-        final = await _collect(outputs)
+        final, entries = await _collect(outputs, params.logprobs is not None)
         choices, comp_t = [], 0
-        for (i, _), out in sorted(final.items()):
+        for (i, j), out in sorted(final.items()):
             text = (tok.decode(prompts[i]) if body.echo else "") + out.text
-            choices.append({"index": len(choices), "text": text, "logprobs": None,
-                            "finish_reason": out.finish_reason})
+            lp = None if params.logprobs is None else CompletionLogprobs(tok).chunk(*zip(*entries[(i, j)]))
+            choices.append({"index": len(choices), "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
             comp_t += len(out.output_ids)
         heads = [final[(i, 0)] for i in range(len(prompts))]
         return {"id": rid, "object": "text_completion", "created": now(), "model": settings.model_name,
@@ -133,17 +163,21 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 "usage": usage(sum(h.prompt_tokens for h in heads), comp_t, sum(h.cached_tokens for h in heads))}
 
     @app.post("/v1/chat/completions", responses=GENERATION)
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
+        limits.check_request(body, settings)
         prompt = limits.chat_prompt(body, tok, settings)
         limits.check_prompt(prompt, settings, tok)
-        params = limits.sampling_params(body, body.max_completion_tokens or body.max_tokens, settings, 1)
+        params = limits.sampling_params(body, body.max_completion_tokens or body.max_tokens, settings, 1,
+                                        tok.vocab_size)
         _validate(backend, prompt, params)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = _request_id("chatcmpl", request)
         outputs = _start(backend, [prompt], params, settings, body.stream)
         if body.stream:
-            return _sse(_stream_chat(await _first(outputs), body, rid, settings))
-        outs = [out for _, out in sorted((await _collect(outputs)).items())]
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+            return _sse(_stream_chat(await _first(outputs), body, rid, settings, tok))
+        final, entries = await _collect(outputs, params.logprobs is not None)
+        outs = [out for _, out in sorted(final.items())]
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": None if params.logprobs is None else chat_logprobs(tok, *zip(*entries[(0, o.index)])),
                     "finish_reason": o.finish_reason} for o in outs]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
                 "system_fingerprint": _fingerprint(outs[0]), "choices": choices,
@@ -178,6 +212,14 @@ def _documented_errors_only(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+def _request_id(kind: str, request: Request) -> str:
+    """The response's id: unique whatever the client sends. The client's X-Request-Id (echoed in the response
+    headers by `RequestId`, or by Serve's proxy) is logged beside it, so one finds the other."""
+    rid = f"{kind}-{uuid.uuid4().hex}"
+    log.info("%s X-Request-Id %s", rid, request.headers.get("x-request-id", "-"))
+    return rid
+
+
 def _fingerprint(out: RequestOutput) -> str:
     """`system_fingerprint` names the engine replica that served the request ("dasc-<replica>")."""
     return f"dasc-{out.replica or 'local'}"
@@ -198,16 +240,19 @@ def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, s
                    settings.max_buffered_chunks if stream else None)
 
 
-async def _collect(outputs: Outputs) -> dict[tuple[int, int], RequestOutput]:
-    """The final output of each sequence, keyed by (prompt index, sequence index)."""
-    final = {}
+async def _collect(outputs: Outputs, logprobs: bool = False) -> tuple[dict[tuple[int, int], RequestOutput], dict]:
+    """The final output of each sequence, keyed by (prompt index, sequence index); with `logprobs`, also each
+    sequence's (token id, logprobs entry) pairs in order, under the same keys."""
+    final, entries = {}, {}
     try:
         async for i, out in outputs:
+            if logprobs:
+                entries.setdefault((i, out.index), []).extend(zip(out.new_token_ids, out.new_logprobs or ()))
             if out.finished:
                 final[(i, out.index)] = out
     except Exception as e:
         raise from_backend(e) from e
-    return final
+    return final, entries
 
 
 async def _first(outputs: Outputs) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -243,7 +288,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _stream_completions(outputs, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, prompt_t, comp_t, cached, seen = now(), 0, 0, 0, set()
+    created, prompt_t, comp_t, cached, seen, lps = now(), 0, 0, 0, set(), {}
     if body.echo:
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
@@ -254,14 +299,19 @@ async def _stream_completions(outputs, prompts, params, body, rid, settings, tok
                 seen.add(i)
                 prompt_t, cached = prompt_t + out.prompt_tokens, cached + out.cached_tokens
             comp_t += len(out.new_token_ids)
-            if out.new_text or out.finished:
-                yield _text_chunk(rid, created, settings, i * params.n + out.index, out.new_text, out.finish_reason)
+            lp = None
+            if out.new_logprobs:  # a chunk per token: one whose text is held back still reports its logprobs
+                lp = lps.setdefault((i, out.index), CompletionLogprobs(tok)).chunk(out.new_token_ids,
+                                                                                   out.new_logprobs)
+            if out.new_text or out.finished or lp:
+                yield _text_chunk(rid, created, settings, i * params.n + out.index, out.new_text, out.finish_reason,
+                                  lp)
     if body.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
                "choices": [], "usage": usage(prompt_t, comp_t, cached)}
 
 
-async def _stream_chat(outputs, body, rid, settings) -> AsyncIterator[dict]:
+async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]:
     created, comp_t, started, head = now(), 0, set(), None
     async with aclosing(outputs):
         async for _, out in outputs:
@@ -271,8 +321,9 @@ async def _stream_chat(outputs, body, rid, settings) -> AsyncIterator[dict]:
             started.add(out.index)
             if out.new_text:
                 delta["content"] = out.new_text
-            if delta or out.finished:
-                choice = {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+            lp = chat_logprobs(tok, out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
+            if delta or out.finished or lp:
+                choice = {"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
                 yield {"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": settings.model_name, "choices": [choice]}
     if body.include_usage and head is not None:
@@ -280,6 +331,6 @@ async def _stream_chat(outputs, body, rid, settings) -> AsyncIterator[dict]:
                "choices": [], "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens)}
 
 
-def _text_chunk(rid, created, settings, index, text, finish_reason) -> dict:
+def _text_chunk(rid, created, settings, index, text, finish_reason, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}

@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (with room for seed + index)
+MAX_LOGPROBS = 20  # OpenAI's cap on top alternatives per token (app.engine.request.MAX_LOGPROBS)
 
 
 def _utf8(text: str) -> str:
@@ -26,6 +27,34 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+# Top-level request bodies keep the fields they do not declare (`model_extra`), so that the routes can refuse
+# each one by name (`unsupported_field`) instead of ignoring what a client expects to take effect.
+TOP_LEVEL = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+# Accepted and ignored: they change nothing about a completion (docs/serving.md, "Request fields").
+# `parallel_tool_calls` only matters with `tools`, which are refused; `prompt_cache_key` is OpenAI's routing
+# hint (our router matches prefixes by themselves).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "parallel_tool_calls"})
+# Unsupported fields whose value asks for nothing beyond the default (a client library filling every field):
+# accepted. Any other value is refused naming the field.
+NEUTRAL_VALUES = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+                  "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+                  "response_format": (None, {"type": "text"})}
+
+
+def unsupported_field(extra: dict | None, n: int = 1) -> str | None:
+    """The first field of `extra` (a body's undeclared fields) that the API does not support, or None. A null
+    is a field not set, whatever its name; `best_of` equal to `n` is plain sampling."""
+    for name, value in (extra or {}).items():
+        if value is None or name in IGNORED_FIELDS:
+            continue
+        if name == "best_of" and type(value) is int and value == n:
+            continue
+        if any(type(value) is type(v) and value == v for v in NEUTRAL_VALUES.get(name, ())):
+            continue
+        return name
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -35,7 +64,7 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = STRICT
+    model_config = TOP_LEVEL
 
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1, description="new tokens at most")
@@ -45,12 +74,13 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's: generation ends after any of these "
+                                             "ids, which are not part of the text")
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = Field(default=False, description="extension: do not stop at end-of-text")
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | bool | None = None
     cache_salt: Text | None = Field(default=None, description="prefixes are shared only among requests with the "
                                     "same salt (vLLM's field): one tenant's prompts do not hit another's cache")
 
@@ -69,13 +99,6 @@ class _Request(BaseModel):
             raise ValueError("presence and frequency penalties are not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -84,6 +107,12 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
+                                 "and this many top alternatives")
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -117,9 +146,41 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions)
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text (`prompt`) or a conversation (`messages`, formatted as chat completions do)."""
+
+    model_config = TOP_LEVEL
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = Field(default=True, description="the zoo tokenizers add none either way")
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = TOP_LEVEL
+
+    model: Text | None = None
+    tokens: list[int]
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
+                  TokenizeRequest, DetokenizeRequest)
 FIELD_NAMES = frozenset(name for model in REQUEST_MODELS for name in model.model_fields)
 
 

@@ -158,6 +158,8 @@ class Engine:
         picked, logits = self.run_works(works)
         picked.update(_greedy_tokens(works, logits))
         picked.update(_sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
+        logprobs = _logprobs([w.seq for w in works if id(w.seq) in picked and w.seq.params.logprobs is not None],
+                             logits, picked)
         self.telemetry.steps += 1
         outputs = []
         for w in works:
@@ -166,7 +168,7 @@ class Engine:
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
             self._checkpoint_after(seq, w.start)
             if id(seq) in picked:
-                outputs.append(self._append_token(seq, picked[id(seq)]))
+                outputs.append(self._append_token(seq, picked[id(seq)], logprobs.get(id(seq))))
         return outputs
 
     def _checkpoint_after(self, seq: Sequence, start: int) -> None:
@@ -205,7 +207,7 @@ class Engine:
         return (seq.node is not None and seq.node.checkpoint is not None
                 and seq.num_computed - seq.num_shared < self.cfg.checkpoint_min_gap)
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprobs=None) -> RequestOutput:
         """Record a sampled token and decide whether the sequence is done. Text grows incrementally (the
         token's bytes through the sequence's UTF-8 decoder), so each token costs the same however long the
         output already is; stop strings are searched only where a new match can start."""
@@ -239,7 +241,7 @@ class Engine:
             self._finish(seq, reason, store=True)
         return RequestOutput(seq.request_id, seq.index, [token], delta, seq.text, reason is not None, reason,
                              seq.prompt_len, seq.cached_len, list(seq.output_ids) if reason else [],
-                             seq.first_token_time - seq.arrival)
+                             seq.first_token_time - seq.arrival, new_logprobs=None if logprobs is None else [logprobs])
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
@@ -255,10 +257,11 @@ class Engine:
 
     def run_works(self, works: list[Work]) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
         """One forward for the step's pieces. For pieces that reach the end of their sequence's token stream:
-        greedy picks made beside the logits (unless `keep_logits`), and next-token logits for the others, both
-        keyed by id(seq)."""
+        greedy picks made beside the logits (unless `keep_logits`, or the request wants logprobs), and next-token
+        logits for the others, both keyed by id(seq)."""
         want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens]
-        greedy = tuple(works[i].seq.params.temperature <= 0 and not self.keep_logits for i in want)
+        greedy = tuple(works[i].seq.params.temperature <= 0 and works[i].seq.params.logprobs is None
+                       and not self.keep_logits for i in want)
         snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
         batch = StepBatch([t for w in works for t in w.seq.token_range(w.start, w.end)],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
@@ -334,6 +337,21 @@ def _sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, 
     tokens = sample_rows(torch.stack([logits[id(s)] for s in seqs]), [p.temperature for p in params],
                          [p.top_p for p in params], [p.top_k for p in params], [s.generator for s in seqs])
     return dict(zip([id(s) for s in seqs], tokens))
+
+
+def _logprobs(seqs: list[Sequence], logits: dict[int, torch.Tensor],
+              picked: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """(log-probability of the picked token, top `logprobs` (id, log-probability) pairs) per sequence, keyed by
+    id(seq): log_softmax of the raw logits in float32, whatever sampling did to pick."""
+    if not seqs:
+        return {}
+    lp = torch.log_softmax(torch.stack([logits[id(s)] for s in seqs]).float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[picked[id(s)]] for s in seqs], device=lp.device))[:, 0].tolist()
+    k = max(s.params.logprobs for s in seqs)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return {id(s): (chosen[r], list(zip(top_i[r][: s.params.logprobs], top_v[r][: s.params.logprobs])))
+            for r, s in enumerate(seqs)}
 
 
 def _model_len(model: HybridForCausalLM) -> int:

@@ -28,6 +28,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what OpenAI-style clients send: a si
 
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     cache_salt: str | None = None  # prefixes are shared only among requests with the same salt
+    logprobs: int | None = None  # report each output token's log-probability and this many top alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, 16], got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer), got {self.seed}")
 
@@ -166,6 +170,9 @@ class RequestOutput:
     output_ids: list[int]
     ttft_s: float | None
     replica: str | None = None  # set by a Serve replica: which one served it
+    # with `SamplingParams.logprobs`: per new token, its log-probability under the model (log_softmax of the raw
+    # logits: before temperature, top-k or top-p) and the top `logprobs` (id, log-probability) pairs, best first
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     def wire(self) -> dict:
         """The fields to send over a process boundary (a Serve stream). A chunk before the last carries its

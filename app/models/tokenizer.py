@@ -90,6 +90,10 @@ class Tokenizer:
         """Every token string of the vocabulary (byte-level forms, special tokens included)."""
         return list(self._backend.get_vocab(with_added_tokens=True))
 
+    def token_string(self, token_id: int) -> str:
+        """The vocabulary entry of one id, in its byte-level form (unique per id)."""
+        return self._backend.id_to_token(token_id)
+
     def encode(self, text: str) -> list[int]:
         """Ids for `text`; special-token strings in it become their ids, nothing is added."""
         return self._backend.encode(text, add_special_tokens=False).ids

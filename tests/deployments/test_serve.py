@@ -21,13 +21,16 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import ray
+import torch
 from openai import OpenAI
 from ray import serve
 
 from deployments import controller as controller_mod
 from deployments.builder import build_app
+from tests.helpers import load_zoo
 
 KEY = "test-key"
 LONG = 2000  # max_tokens of the streams held open (with ignore_eos): tens of seconds of decoding here
@@ -134,6 +137,44 @@ def test_completion_chat_and_streaming(server):
     assert streamed == c.completions.create(model="kda-tiny", prompt="import os\n", max_tokens=6,
                                             temperature=0).choices[0].text
     assert [m.id for m in c.models.list().data] == ["kda-tiny"]
+
+
+def test_unsupported_fields_unknown_models_tokenize_and_request_ids(server):
+    """Through Serve: a field the API does not support is a 400 naming it, an unknown model a 404 (the official
+    client's exceptions); /tokenize and /detokenize answer; Serve's proxy echoes X-Request-Id, and two responses
+    to one client id still have ids of their own."""
+    c = _client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="kda-tiny", prompt="x", max_tokens=1, extra_body={"logit_bias": {"5": 3}})
+    assert e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    auth = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42"}
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": "def f(x):"}, headers=auth, timeout=60).json()["tokens"]
+    assert httpx.post(f"{server}/detokenize", json={"tokens": ids}, headers=auth,
+                      timeout=60).json() == {"prompt": "def f(x):"}
+    answers = [httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=auth,
+                          timeout=60) for _ in range(2)]
+    assert [a.headers["x-request-id"] for a in answers] == ["trace-42", "trace-42"]
+    assert answers[0].json()["id"] != answers[1].json()["id"]
+
+
+def test_logprobs_through_serve_are_the_models(server):
+    """Logprobs cross the replica boundary intact: each generated token's, and its top alternatives, equal
+    log_softmax of the model's logits at that position (one forward from zero state, in this process)."""
+    model, tok = load_zoo("kda-tiny")
+    prompt = "def area(radius):\n    return"
+    out = _client(server).completions.create(model="kda-tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                             logprobs=2, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    ids, p = [tok.token_id(t) for t in lp.tokens], tok.encode(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(model.forward_train(torch.tensor([p + ids]))[0].float(), -1)[len(p) - 1 : -1]
+    for pos, (token, chosen, top) in enumerate(zip(ids, lp.token_logprobs, lp.top_logprobs, strict=True)):
+        assert abs(chosen - ref[pos, token].item()) < 1e-4
+        best = ref[pos].topk(2)
+        assert all(abs(top[tok.token_string(i)] - v) < 1e-4 for i, v in zip(best.indices.tolist(),
+                                                                           best.values.tolist()))
 
 
 def test_a_request_with_several_prompts_is_answered(server):

@@ -1,0 +1,164 @@
+"""What clients send beyond the fields a completion uses: fields the API does not support are refused naming
+them (not silently ignored), fields that change nothing are accepted, an unknown `model` is a 404, /tokenize and
+/detokenize answer as vLLM's do, and X-Request-Id is echoed without ever making two responses share an id."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from app.api.guards import MAX_REQUEST_ID_CHARS
+from app.api.routes import ApiSettings, build_api
+from app.api.schemas import IGNORED_FIELDS
+from tests.api.common import AUTH, KEY, client, openai_client
+
+pytestmark = pytest.mark.anyio
+SETTINGS = ApiSettings(model_name="kda-tiny", api_key=KEY, max_tokens_limit=64)
+COMPLETION = {"model": "kda-tiny", "prompt": "x = 1", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": "kda-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def app(backend):
+    return build_api(backend, SETTINGS)
+
+
+async def _post(app, path: str, body: dict, headers: dict | None = None):
+    async with client(app) as http:
+        return await http.post(path, content=json.dumps(body).encode(),
+                               headers={**AUTH, "content-type": "application/json", **(headers or {})})
+
+
+UNSUPPORTED = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("logit_bias", {"15": 5}),
+    ("response_format", {"type": "json_object"}),
+    ("best_of", 3),
+    ("suffix", "end"),
+    ("repetition_penalty", 1.2),
+    ("min_p", 0.1),
+    ("guided_json", {"type": "object"}),
+    ("no_such_field", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), UNSUPPORTED)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_an_unsupported_field_is_refused_by_name(app, path, field, value):
+    body = COMPLETION if path == "/v1/completions" else CHAT
+    r = await _post(app, path, {**body, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+NEUTRAL = [{name: "x" if name in ("user", "service_tier", "safety_identifier", "prompt_cache_key") else
+            ({"k": "v"} if name == "metadata" else True)} for name in sorted(IGNORED_FIELDS)] + [
+    {"tools": None, "logit_bias": None, "no_such_field": None},  # a null is a field not set
+    {"tools": [], "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"}},
+    {"best_of": 1},  # = n
+    {"n": 2, "best_of": 2},
+]
+
+
+@pytest.mark.parametrize("extra", NEUTRAL, ids=lambda e: ",".join(e))
+async def test_fields_that_change_nothing_are_accepted(app, extra):
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = await _post(app, path, {**body, **extra})
+        assert r.status_code == 200, (path, r.text)
+
+
+async def test_an_unknown_model_is_404_and_the_served_name_or_none_is_served(app):
+    async with client(app) as http:
+        oai = openai_client(http)
+        with pytest.raises(openai.NotFoundError) as e:
+            await oai.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+        assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+        with pytest.raises(openai.NotFoundError):
+            await oai.chat.completions.create(model="kda", messages=[{"role": "user", "content": "hi"}])
+        out = await oai.completions.create(model="kda-tiny", prompt="x", max_tokens=1)
+        assert out.model == "kda-tiny"
+    r = await _post(app, "/v1/completions", {k: v for k, v in COMPLETION.items() if k != "model"})
+    assert r.status_code == 200
+
+
+async def test_a_served_model_name_replaces_the_model_name(backend):
+    app = build_api(backend, ApiSettings(model_name="my-coder", api_key=KEY))
+    assert (await _post(app, "/v1/completions", COMPLETION)).status_code == 404
+    r = await _post(app, "/v1/completions", {**COMPLETION, "model": "my-coder"})
+    assert r.status_code == 200 and r.json()["model"] == "my-coder"
+
+
+async def test_tokenize_and_detokenize_round_trip(app, backend):
+    tok = backend.tokenizer
+    text = "def add(a, b):\n    return a + b  # ünïcode ✓"
+    r = await _post(app, "/tokenize", {"model": "kda-tiny", "prompt": text})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(tok.encode(text)), "max_model_len": backend.max_model_len,
+                        "tokens": tok.encode(text)}
+    back = await _post(app, "/detokenize", {"model": "kda-tiny", "tokens": r.json()["tokens"]})
+    assert back.json() == {"prompt": text}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "<|im_end|> hi"}]
+    for gen in (True, False):
+        r = await _post(app, "/tokenize", {"messages": messages, "add_generation_prompt": gen})
+        assert r.json()["tokens"] == tok.encode_chat(messages, add_generation_prompt=gen)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+    ("/tokenize", {}, None),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ("/tokenize", {"prompt": "a", "tools": [1]}, "tools"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+async def test_tokenize_refuses_bad_input(app, path, body, param):
+    r = await _post(app, path, body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+async def test_tokenize_needs_the_key(app):
+    async with client(app) as http:
+        r = await http.post("/tokenize", json={"prompt": "a"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+async def test_x_request_id_is_echoed_or_made_and_never_shared(app):
+    same = {"X-Request-Id": "client-id-7"}
+    a, b = [await _post(app, "/v1/completions", COMPLETION, same) for _ in range(2)]
+    assert a.headers["x-request-id"] == b.headers["x-request-id"] == "client-id-7"
+    assert a.json()["id"] != b.json()["id"]  # the response ids are the server's own
+    made = await _post(app, "/v1/completions", COMPLETION)
+    assert len(made.headers["x-request-id"]) == 32
+    refused = await _post(app, "/v1/completions", {**COMPLETION, "tools": [1]}, same)
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "client-id-7"
+
+
+@pytest.mark.parametrize("bad", ["a" * (MAX_REQUEST_ID_CHARS + 1), "tab\there", "é"])
+async def test_a_bad_x_request_id_is_refused(app, bad):
+    r = await _post(app, "/v1/completions", COMPLETION, {"X-Request-Id": bad.encode("utf-8")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+
+
+async def test_stop_token_ids_end_generation_after_the_id(app, backend):
+    """vLLM's `stop_token_ids`: the output ends with the id (counted, not in the text), finish_reason "stop"."""
+    tok = backend.tokenizer
+    plain = (await _post(app, "/v1/completions", {**COMPLETION, "max_tokens": 6, "ignore_eos": True,
+                                                  "logprobs": 0})).json()
+    ids = [tok.token_id(t) for t in plain["choices"][0]["logprobs"]["tokens"]]
+    stopped = (await _post(app, "/v1/completions", {**COMPLETION, "max_tokens": 6, "ignore_eos": True,
+                                                    "stop_token_ids": [ids[2]]})).json()
+    first = ids.index(ids[2])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["text"] == backend.tokenizer.decode(ids[:first])
+    assert stopped["usage"]["completion_tokens"] == first + 1
+
+
+@pytest.mark.parametrize("value", [[-1], [10**9], list(range(65)), "5", [1.5]])
+async def test_bad_stop_token_ids_are_refused(app, value):
+    r = await _post(app, "/v1/completions", {**COMPLETION, "stop_token_ids": value})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("stop_token_ids"), r.text
