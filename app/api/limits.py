@@ -19,6 +19,7 @@ from app.engine.request import SamplingParams
 from app.models.tokenizer import Tokenizer
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's cap
 
 if TYPE_CHECKING:
     from app.api.routes import ApiSettings
@@ -75,6 +76,9 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
     _over("stop_token_ids", "stop token ids", len(stop_ids), MAX_STOP_TOKEN_IDS)
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise ApiError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    bias = _logit_bias(body.logit_bias or {}, vocab_size)
+    if body.min_tokens > n_tokens:
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) is over max_tokens ({n_tokens})", param="min_tokens")
     if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     if getattr(body, "echo", False) and body.logprobs is not None:
@@ -83,9 +87,25 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
         return SamplingParams(max_tokens=n_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               stop=tuple(stops), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
                               cache_salt=body.cache_salt, logprobs=body.top_logprobs_wanted,
-                              stop_token_ids=stop_ids)
+                              stop_token_ids=stop_ids, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                              min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as strings) as (id, bias) pairs, checked."""
+    _over("logit_bias", "entries in logit_bias", len(bias), MAX_LOGIT_BIAS)
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                           param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise ApiError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def check_prompt(ids: list[int], settings: ApiSettings, tok: Tokenizer) -> None:

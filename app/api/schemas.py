@@ -38,7 +38,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
                             "parallel_tool_calls"})
 # Unsupported fields whose value asks for nothing beyond the default (a client library filling every field):
 # accepted. Any other value is refused naming the field.
-NEUTRAL_VALUES = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+NEUTRAL_VALUES = {"suffix": (None, ""), "tools": (None, []),
                   "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
                   "response_format": (None, {"type": "text"})}
 
@@ -79,8 +79,13 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = Field(default=False, description="extension: do not stop at end-of-text")
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="vLLM's")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="vLLM's")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> bias in "
+                                                "[-100, 100]")
+    min_tokens: int = Field(default=0, ge=0, description="vLLM's: no stop before this many tokens")
     cache_salt: Text | None = Field(default=None, description="prefixes are shared only among requests with the "
                                     "same salt (vLLM's field): one tenant's prompts do not hit another's cache")
 
@@ -91,13 +96,6 @@ class _Request(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v):
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported")
-        return v
 
     @property
     def include_usage(self) -> bool:

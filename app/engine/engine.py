@@ -19,6 +19,7 @@ from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
+from app.engine.logits import needs_processing, process
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.sampling import sample_rows
 from app.engine.scheduler import Scheduler, Work
@@ -155,11 +156,12 @@ class Engine:
             if not w.seq.counted:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
-        picked, logits = self.run_works(works)
+        picked, raw = self.run_works(works)
+        logits = self._processed(works, raw)
         picked.update(_greedy_tokens(works, logits))
         picked.update(_sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
         logprobs = _logprobs([w.seq for w in works if id(w.seq) in picked and w.seq.params.logprobs is not None],
-                             logits, picked)
+                             raw, picked)
         self.telemetry.steps += 1
         outputs = []
         for w in works:
@@ -170,6 +172,15 @@ class Engine:
             if id(seq) in picked:
                 outputs.append(self._append_token(seq, picked[id(seq)], logprobs.get(id(seq))))
         return outputs
+
+    def _processed(self, works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """`logits` with the rows of requests that ask for penalties, logit_bias or min_tokens processed
+        (app/engine/logits.py); the others as they are."""
+        seqs = [w.seq for w in works if id(w.seq) in logits and needs_processing(w.seq.params)]
+        if not seqs:
+            return logits
+        rows = process(torch.stack([logits[id(s)] for s in seqs]), seqs, self.tokenizer.stop_token_ids)
+        return {**logits, **{id(s): rows[i] for i, s in enumerate(seqs)}}
 
     def _checkpoint_after(self, seq: Sequence, start: int) -> None:
         """Store the checkpoints of the cuts this step passed: inside the piece from the worker's snapshots,
@@ -220,7 +231,8 @@ class Engine:
         reason = None
         stops = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.stop_token_ids)
         before = len(seq.decoded)
-        if token in stops:
+        early = len(seq.output_ids) <= p.min_tokens  # min_tokens: no stop yet (the ids were masked too)
+        if token in stops and not early:
             reason = "stop"
         else:
             seq.decoded += seq.decoder.push(token)
@@ -228,7 +240,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             seq.decoded += seq.decoder.flush()
-        hits = [i for s in p.stop if (i := seq.decoded.find(s, max(0, before - len(s) + 1))) >= 0]
+        hits = [] if early else [i for s in p.stop if (i := seq.decoded.find(s, max(0, before - len(s) + 1))) >= 0]
         if hits:
             seq.decoded, reason = seq.decoded[: min(hits)], "stop"
         text = seq.decoded
@@ -261,7 +273,7 @@ class Engine:
         logits for the others, both keyed by id(seq)."""
         want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens]
         greedy = tuple(works[i].seq.params.temperature <= 0 and works[i].seq.params.logprobs is None
-                       and not self.keep_logits for i in want)
+                       and not needs_processing(works[i].seq.params) and not self.keep_logits for i in want)
         snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
         batch = StepBatch([t for w in works for t in w.seq.token_range(w.start, w.end)],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
@@ -335,7 +347,8 @@ def _sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, 
         return {}
     params = [s.params for s in seqs]
     tokens = sample_rows(torch.stack([logits[id(s)] for s in seqs]), [p.temperature for p in params],
-                         [p.top_p for p in params], [p.top_k for p in params], [s.generator for s in seqs])
+                         [p.top_p for p in params], [p.top_k for p in params], [s.generator for s in seqs],
+                         [p.min_p for p in params])
     return dict(zip([id(s) for s in seqs], tokens))
 
 

@@ -49,6 +49,13 @@ class SamplingParams:
     n: int = 1
     cache_salt: str | None = None  # prefixes are shared only among requests with the same salt
     logprobs: int | None = None  # report each output token's log-probability and this many top alternatives
+    # vLLM's logits processing (app/engine/logits.py) and min_p (app/engine/sampling.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs
+    min_tokens: int = 0  # stop ids are masked, and stop strings not matched, before this many output tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -68,6 +75,17 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, 16], got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:

@@ -13,6 +13,8 @@ flatter row (a nucleus of thousands) finds its set by a radix select on the mass
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 CANDIDATES = (64, 256)  # the first topk's width: vocabulary / 64, within these bounds
@@ -29,14 +31,18 @@ def sample_token(
 
 
 def sample_rows(logits: torch.Tensor, temperature: list[float], top_p: list[float], top_k: list[int],
-                generators: list[torch.Generator | None]) -> list[int]:
+                generators: list[torch.Generator | None], min_p: list[float] | None = None) -> list[int]:
     """One token per row of logits [n, V], row i with its own settings (temperature > 0) and generator (None:
     torch's default). All rows go through each op together; each row draws one uniform from its generator, so
-    a seeded row gives the same tokens whatever it is batched with."""
+    a seeded row gives the same tokens whatever it is batched with. min_p (vLLM's): after temperature, tokens
+    less likely than min_p times the row's most likely one are dropped, before top-k and top-p."""
     if len(set(temperature)) == 1:  # the usual case; a scalar divide is the faster kernel
         x = logits.float() / temperature[0]
     else:
         x = logits.float() / torch.tensor(temperature, dtype=torch.float32, device=logits.device)[:, None]
+    if min_p is not None and any(m > 0 for m in min_p):
+        floor = torch.tensor([math.log(m) if m > 0 else float("-inf") for m in min_p], device=x.device)
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[:, None], float("-inf"))
     if any(0 < k < x.shape[-1] for k in top_k):
         x = _top_k(x, top_k)
     probs = torch.softmax(x, dim=-1)

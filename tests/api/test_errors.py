@@ -28,7 +28,7 @@ async def test_bad_inputs_get_openai_errors(app):
              ({"prompt": ""}, 400), ({"prompt": "x", "max_tokens": 65}, 400), ({"max_tokens": 3}, 400),
              ({"prompt": "x " * 2100}, 413), ({"prompt": "x", "top_p": 0}, 400), ({"prompt": [[]]}, 400),
              ({"prompt": [5, 4096]}, 400), ({"prompt": "x", "n": 17}, 400), ({"prompt": "x", "stop": [""]}, 400),
-             ({"prompt": "x", "logprobs": 21}, 400), ({"prompt": "x", "presence_penalty": 0.5}, 400)]
+             ({"prompt": "x", "logprobs": 21}, 400), ({"prompt": "x", "presence_penalty": 2.5}, 400)]
     async with client(app) as http:
         for body, status in cases:
             r = await http.post(url, json=body, headers=AUTH)

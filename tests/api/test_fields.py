@@ -34,12 +34,9 @@ async def _post(app, path: str, body: dict, headers: dict | None = None):
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"),
-    ("logit_bias", {"15": 5}),
     ("response_format", {"type": "json_object"}),
     ("best_of", 3),
     ("suffix", "end"),
-    ("repetition_penalty", 1.2),
-    ("min_p", 0.1),
     ("guided_json", {"type": "object"}),
     ("no_such_field", 1),
 ]
@@ -162,3 +159,32 @@ async def test_stop_token_ids_end_generation_after_the_id(app, backend):
 async def test_bad_stop_token_ids_are_refused(app, value):
     r = await _post(app, "/v1/completions", {**COMPLETION, "stop_token_ids": value})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("stop_token_ids"), r.text
+
+
+async def test_logit_bias_and_penalties_reach_the_engine(app):
+    """A +100 bias makes the biased id every greedy token (completions and chat); penalties and min_p are taken
+    (their effect on the distribution is checked against a reference in tests/engine/test_logits.py)."""
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = await _post(app, path, {**body, "max_tokens": 4, "logit_bias": {"42": 100}, "ignore_eos": True,
+                                    "logprobs": 0 if path == "/v1/completions" else True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        tokens = lp["tokens"] if path == "/v1/completions" else [e["bytes"] for e in lp["content"]]
+        assert len(tokens) == 4 and len(set(map(str, tokens))) == 1
+    r = await _post(app, "/v1/completions", {**COMPLETION, "presence_penalty": 1.0, "frequency_penalty": -0.5,
+                                             "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2,
+                                             "temperature": 0.8, "seed": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {str(10**9): 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"logit_bias": {"5": "x"}}, "logit_bias"),
+    ({"min_tokens": 3}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"presence_penalty": -2.5}, "presence_penalty"), ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.1}, "min_p"),
+])
+async def test_bad_processing_settings_are_refused(app, extra, param):
+    r = await _post(app, "/v1/completions", {**COMPLETION, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
