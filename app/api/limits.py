@@ -65,7 +65,10 @@ def chat_prompt(body, tok: Tokenizer, settings: ApiSettings, add_generation_prom
 
 def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int,
                     vocab_size: int) -> SamplingParams:
-    n_tokens = max_tokens or settings.default_max_tokens
+    n_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
+    echo = getattr(body, "echo", False)
+    if n_tokens == 0 and not echo:
+        raise ApiError(400, "max_tokens: 0 is only for echo (the prompt alone, with its logprobs)", param="max_tokens")
     _over("max_tokens", "max_tokens", n_tokens, settings.max_tokens_limit)
     _over("n", "sequences (prompts x n)", prompts * body.n, settings.max_sequences)
     stops = body.stop or []
@@ -81,15 +84,17 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
         raise ApiError(400, f"min_tokens ({body.min_tokens}) is over max_tokens ({n_tokens})", param="min_tokens")
     if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-    if getattr(body, "echo", False) and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs (the prompt's logprobs): not supported yet", param="echo")
+    # echo with logprobs reports the prompt's too; echo with max_tokens 0 runs the prompt alone (its logprobs are
+    # computed, a 0 reports none of the alternatives)
+    prompt_logprobs = body.logprobs if echo and body.logprobs is not None else (0 if echo and n_tokens == 0 else None)
     try:
         return SamplingParams(max_tokens=n_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               stop=tuple(stops), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
                               cache_salt=body.cache_salt, logprobs=body.top_logprobs_wanted,
                               stop_token_ids=stop_ids, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                              min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens)
+                              min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens,
+                              prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
 

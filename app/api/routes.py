@@ -154,7 +154,10 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         choices, comp_t = [], 0
         for (i, j), out in sorted(final.items()):
             text = (tok.decode(prompts[i]) if body.echo else "") + out.text
-            lp = None if params.logprobs is None else CompletionLogprobs(tok).chunk(*zip(*entries[(i, j)]))
+            lp = None
+            if params.logprobs is not None:
+                pairs = (list(zip(prompts[i], entries[("prompt", i)])) if body.echo else []) + entries.get((i, j), [])
+                lp = CompletionLogprobs(tok).chunk([t for t, _ in pairs], [e for _, e in pairs])
             choices.append({"index": len(choices), "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
             comp_t += len(out.output_ids)
         heads = [final[(i, 0)] for i in range(len(prompts))]
@@ -242,12 +245,15 @@ def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, s
 
 async def _collect(outputs: Outputs, logprobs: bool = False) -> tuple[dict[tuple[int, int], RequestOutput], dict]:
     """The final output of each sequence, keyed by (prompt index, sequence index); with `logprobs`, also each
-    sequence's (token id, logprobs entry) pairs in order, under the same keys."""
+    sequence's (token id, logprobs entry) pairs in order, under the same keys, and each prompt's entries (when
+    the request asked for them) under ("prompt", prompt index)."""
     final, entries = {}, {}
     try:
         async for i, out in outputs:
             if logprobs:
                 entries.setdefault((i, out.index), []).extend(zip(out.new_token_ids, out.new_logprobs or ()))
+                if out.prompt_logprobs is not None:
+                    entries[("prompt", i)] = out.prompt_logprobs
             if out.finished:
                 final[(i, out.index)] = out
     except Exception as e:
@@ -288,13 +294,19 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _stream_completions(outputs, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, prompt_t, comp_t, cached, seen, lps = now(), 0, 0, 0, set(), {}
-    if body.echo:
+    created, prompt_t, comp_t, cached, seen, lps, prompt_lps = now(), 0, 0, 0, set(), {}, {}
+    late_echo = body.echo and params.logprobs is not None  # the echo chunk waits for the prompt's logprobs
+    if body.echo and not late_echo:
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
                 yield _text_chunk(rid, created, settings, i * params.n + j, tok.decode(prompt), None)
     async with aclosing(outputs):
         async for i, out in outputs:
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
+            if late_echo and (i, out.index) not in lps:
+                lp = lps.setdefault((i, out.index), CompletionLogprobs(tok)).chunk(prompts[i], prompt_lps[i])
+                yield _text_chunk(rid, created, settings, i * params.n + out.index, tok.decode(prompts[i]), None, lp)
             if i not in seen:
                 seen.add(i)
                 prompt_t, cached = prompt_t + out.prompt_tokens, cached + out.cached_tokens

@@ -104,6 +104,8 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, description="new tokens at most (0: with echo, the prompt "
+                                   "alone)")
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
                                  "and this many top alternatives")

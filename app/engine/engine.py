@@ -171,6 +171,10 @@ class Engine:
             self._checkpoint_after(seq, w.start)
             if id(seq) in picked:
                 outputs.append(self._append_token(seq, picked[id(seq)], logprobs.get(id(seq))))
+            elif seq.params.max_tokens == 0 and seq.num_computed == seq.num_tokens:  # the prompt's logprobs only
+                self._finish(seq, "length", store=True)
+                outputs.append(RequestOutput(seq.request_id, seq.index, [], "", "", True, "length", seq.prompt_len,
+                                             seq.cached_len, [], None, prompt_logprobs=[None, *seq.prompt_lps]))
         return outputs
 
     def _processed(self, works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -251,9 +255,13 @@ class Engine:
         seq.text += delta
         if reason is not None:
             self._finish(seq, reason, store=True)
+        prompt_lps = None
+        if len(seq.output_ids) == 1 and seq.index == 0 and p.prompt_logprobs is not None:
+            prompt_lps = [None, *seq.prompt_lps]
         return RequestOutput(seq.request_id, seq.index, [token], delta, seq.text, reason is not None, reason,
                              seq.prompt_len, seq.cached_len, list(seq.output_ids) if reason else [],
-                             seq.first_token_time - seq.arrival, new_logprobs=None if logprobs is None else [logprobs])
+                             seq.first_token_time - seq.arrival, new_logprobs=None if logprobs is None else [logprobs],
+                             prompt_logprobs=prompt_lps)
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
@@ -271,15 +279,19 @@ class Engine:
         """One forward for the step's pieces. For pieces that reach the end of their sequence's token stream:
         greedy picks made beside the logits (unless `keep_logits`, or the request wants logprobs), and next-token
         logits for the others, both keyed by id(seq)."""
-        want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens]
+        want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens and w.seq.params.max_tokens > 0]
+        every = tuple(i for i, w in enumerate(works)
+                      if w.seq.params.prompt_logprobs is not None and w.start + 1 < w.seq.prompt_len)
         greedy = tuple(works[i].seq.params.temperature <= 0 and works[i].seq.params.logprobs is None
                        and not needs_processing(works[i].seq.params) and not self.keep_logits for i in want)
         snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
         batch = StepBatch([t for w in works for t in w.seq.token_range(w.start, w.end)],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
                           [w.seq.kv_slots for w in works], [w.new_slots for w in works],
-                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy)
+                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy, every)
         tokens, logits = self.worker.run(batch)
+        for i in every:
+            _collect_prompt_logprobs(works[i], self.worker.piece_logits[i])
         keys = [id(works[i].seq) for i in want]
         return (dict(zip([k for k, g in zip(keys, greedy) if g], tokens)),
                 dict(zip([k for k, g in zip(keys, greedy) if not g], logits)))
@@ -350,6 +362,20 @@ def _sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, 
                          [p.top_p for p in params], [p.top_k for p in params], [s.generator for s in seqs],
                          [p.min_p for p in params])
     return dict(zip([id(s) for s in seqs], tokens))
+
+
+def _collect_prompt_logprobs(work: Work, rows: torch.Tensor) -> None:
+    """The entries of the prompt tokens this piece's rows predict (row j: token start + j + 1), appended to the
+    sequence's; a piece recomputed after a preemption only adds the tokens past those it has."""
+    seq, k = work.seq, work.seq.params.prompt_logprobs
+    first, last = max(work.start + 1, seq.prompt_lp_upto + 1), min(work.end, seq.prompt_len - 1)
+    if first > last:
+        return
+    lp = torch.log_softmax(rows[first - work.start - 1 : last - work.start], dim=-1)
+    targets = torch.tensor(seq.prompt_ids[first : last + 1])
+    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    seq.prompt_lps += [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_i.tolist(), top_v.tolist())]
 
 
 def _logprobs(seqs: list[Sequence], logits: dict[int, torch.Tensor],

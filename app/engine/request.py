@@ -49,6 +49,9 @@ class SamplingParams:
     n: int = 1
     cache_salt: str | None = None  # prefixes are shared only among requests with the same salt
     logprobs: int | None = None  # report each output token's log-probability and this many top alternatives
+    # the prompt's tokens too (each from the first on): the request then computes every prompt position and
+    # resumes from no checkpoint inside the prompt; with it, max_tokens may be 0 (the prompt only, n 1)
+    prompt_logprobs: int | None = None
     # vLLM's logits processing (app/engine/logits.py) and min_p (app/engine/sampling.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -58,8 +61,12 @@ class SamplingParams:
     min_tokens: int = 0  # stop ids are masked, and stop strings not matched, before this many output tokens
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with prompt logprobs), got {self.max_tokens}")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError("max_tokens 0 (the prompt's logprobs only) takes n 1")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
@@ -139,6 +146,12 @@ class Sequence:
     counted: bool = False  # prompt and hit counted in telemetry
     fork_of: "Sequence | None" = None  # n > 1: waits for this leader to reach the fork point
     fork: ForkHold | None = None  # leader of n > 1: the held fork state (set once)
+    # prompt_logprobs: the entries of prompt tokens 1..prompt_lp_upto so far (token 0 has none)
+    prompt_lps: list = field(default_factory=list)
+
+    @property
+    def prompt_lp_upto(self) -> int:
+        return len(self.prompt_lps)
 
     @property
     def tokens(self) -> list[int]:
@@ -191,6 +204,9 @@ class RequestOutput:
     # with `SamplingParams.logprobs`: per new token, its log-probability under the model (log_softmax of the raw
     # logits: before temperature, top-k or top-p) and the top `logprobs` (id, log-probability) pairs, best first
     new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with `SamplingParams.prompt_logprobs`, in the sequence's first output (index 0's): one entry per prompt
+    # token, None for the first
+    prompt_logprobs: list | None = None
 
     def wire(self) -> dict:
         """The fields to send over a process boundary (a Serve stream). A chunk before the last carries its

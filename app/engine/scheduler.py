@@ -121,6 +121,8 @@ class Scheduler:
             return self._admit_fork(seq, hold)
         tokens = seq.tokens
         limit = len(tokens) - 1  # at least one token is always computed, to produce logits
+        if seq.params.prompt_logprobs is not None:  # resume only where the prompt's logprobs are collected
+            limit = min(limit, seq.prompt_lp_upto)
         use_cache = self.cfg.enable_cache or seq.fork_of is not None
         salt = seq.params.cache_salt
         match = self.cache.match(tokens, limit, salt) if use_cache else None

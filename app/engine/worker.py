@@ -64,6 +64,7 @@ class Worker:
         self.tp = tp
         self._allocate(cfg, codec)
         self.snapshots: dict[tuple[int, int], object] = {}
+        self.piece_logits: dict[int, torch.Tensor] = {}  # every_row pieces of the last run: [n, V] fp32, host
 
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
         fixed = cfg.decode_graphs or cfg.compile_decode  # the padded decode step of app/engine/graphs.py
@@ -133,18 +134,30 @@ class Worker:
         """Feed every piece; returns the argmax tokens of the `greedy` rows of `want_logits` and the fp32
         next-token logits of the others, on the host (see `split_logits`)."""
         if self.graphs is not None and self.graphs.handles(batch):
-            self.snapshots = {}
+            self.snapshots, self.piece_logits = {}, {}
             return split_logits(self.graphs.run(batch), batch.greedy)
         ids = host_to_device(batch.token_ids, self.device)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
         slots = batch.state_slots
+        rows, last = _logit_rows(batch)
+        picked = None if rows is None else host_to_device(rows, self.device)
         if len(slots) == 1:  # the model never writes its input states: read the slot in place, one copy back
-            logits, new_states = self.model(ids, layout, kv, self.states.view(slots[0]))
+            logits, new_states = self.model(ids, layout, kv, self.states.view(slots[0]), logit_rows=picked)
             self.states.write(slots[0], new_states)
         else:
-            logits, new_states = self.model(ids, layout, kv, self.states.gather(slots))
+            logits, new_states = self.model(ids, layout, kv, self.states.gather(slots), logit_rows=picked)
             self.states.scatter(slots, new_states)
+        self.piece_logits = {}
+        if rows is not None:  # every_row pieces: all their rows kept; every piece's last row goes on as usual
+            at = 0
+            for i, n in enumerate(batch.extend_lens):
+                if i in batch.every_row:
+                    self.piece_logits[i] = logits[at : at + n].float().cpu()
+                    at += n
+                else:
+                    at += 1
+            logits = logits[host_to_device(last, self.device)]
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         if batch.want_logits != list(range(logits.shape[0])):
             logits = logits[host_to_device(batch.want_logits, self.device)]
@@ -158,6 +171,19 @@ class Worker:
         n = refresh_local_units(self.model, prefixes, self.kv.storage, kv_slots, states, self.plan, self.local_rows)
         self.states.scatter(state_slots, states)
         return n
+
+
+def _logit_rows(batch: StepBatch) -> tuple[list[int] | None, list[int]]:
+    """With `every_row` pieces: (the flat rows to compute logits at: all of those pieces', the last of the
+    others; the index of each piece's last row among them). Without: (None, [])."""
+    if not batch.every_row:
+        return None, []
+    rows, last, at = [], [], 0
+    for i, n in enumerate(batch.extend_lens):
+        rows += list(range(at, at + n)) if i in batch.every_row else [at + n - 1]
+        last.append(len(rows) - 1)
+        at += n
+    return rows, last
 
 
 def split_logits(logits: torch.Tensor, greedy: tuple[bool, ...]) -> tuple[list[int], torch.Tensor]:

@@ -75,10 +75,11 @@ class HybridForCausalLM(nn.Module):
         kv: AttentionKV | None = None,
         states: LinearStates | None = None,
         all_logits: bool = False,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LinearStates]:
-        """input_ids: [N] flat tokens of `layout`. Returns logits ([N, V] if all_logits else [num_seqs, V] at each
-        sequence's last token) and the new recurrent states of the batch's sequences (with `.snapshots` filled
-        when the layout asks for states inside the step)."""
+        """input_ids: [N] flat tokens of `layout`. Returns logits ([N, V] if all_logits, [len(logit_rows), V] at
+        those flat rows if given, else [num_seqs, V] at each sequence's last token) and the new recurrent states
+        of the batch's sequences (with `.snapshots` filled when the layout asks for states inside the step)."""
         layout = layout.on(input_ids.device)
         hidden = self.model.embed_tokens(input_ids)
         new_conv, new_ssm, snapped = [], [], []
@@ -97,7 +98,9 @@ class HybridForCausalLM(nn.Module):
                 x = layer.mixer(x, layout, kv, idx)
             hidden = hidden + self._reduce(x)
             hidden = hidden + self._reduce(layer.mlp(layer.post_attention_layernorm(hidden)))
-        if not all_logits and not layout.all_decode:
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        elif not all_logits and not layout.all_decode:
             hidden = hidden[layout.last_token_index]
         logits = self.lm_head(self.model.norm(hidden))
         states = LinearStates(new_conv, new_ssm)

@@ -90,7 +90,7 @@ async def test_chat_logprobs_and_top_logprobs(app, backend):
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"logprobs": 2, "echo": True}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
@@ -106,3 +106,35 @@ async def test_bad_logprobs_requests_are_refused(app, path, extra, param):
 
 def test_the_floor_stands_for_minus_infinity():
     assert json.dumps(FLOOR) == "-9999.0"
+
+
+async def test_echo_reports_the_prompts_logprobs_cold_and_repeated(app, backend):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1) and max_tokens 0: the prompt's tokens
+    first (the first with nulls), each the model's log-probability; a repeated request, whose prompt the cache
+    holds, recomputes it (cached_tokens 0) and reports the same numbers; streamed the same."""
+    tok = backend.tokenizer
+    ids = tok.encode(PROMPT)
+    ref = _reference(backend, ids[:1], ids[1:])
+    async with client(app) as http:
+        oai = openai_client(http)
+        runs = [await oai.completions.create(model="kda-tiny", prompt=PROMPT, max_tokens=1, logprobs=1, echo=True,
+                                             temperature=0) for _ in range(2)]
+        for out in runs:
+            lp = out.choices[0].logprobs
+            assert out.usage.prompt_tokens_details.cached_tokens == 0
+            assert lp.tokens[: len(ids)] == [tok.token_string(t) for t in ids] and len(lp.tokens) == len(ids) + 1
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            for j, chosen in enumerate(lp.token_logprobs[1 : len(ids)]):
+                assert abs(chosen - ref[j, ids[j + 1]].item()) < TOL
+            assert out.choices[0].text.startswith(PROMPT) and lp.text_offset[0] == 0
+        assert max(abs(a - b) for a, b in zip(runs[0].choices[0].logprobs.token_logprobs[1:],
+                                              runs[1].choices[0].logprobs.token_logprobs[1:])) < TOL
+        alone = await oai.completions.create(model="kda-tiny", prompt=ids, max_tokens=0, echo=True, logprobs=0)
+        assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
+        assert alone.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+        assert alone.choices[0].finish_reason == "length"
+        chunks = [c async for c in await oai.completions.create(model="kda-tiny", prompt=PROMPT, max_tokens=1,
+                                                               logprobs=1, echo=True, temperature=0, stream=True)]
+        streamed = [c.choices[0] for c in chunks if c.choices]
+        assert streamed[0].text == PROMPT and streamed[0].logprobs.tokens == lp.tokens[: len(ids)]
+        assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == lp.tokens

@@ -160,8 +160,9 @@ def test_unsupported_fields_unknown_models_tokenize_and_request_ids(server):
 
 
 def test_logprobs_through_serve_are_the_models(server):
-    """Logprobs cross the replica boundary intact: each generated token's, and its top alternatives, equal
-    log_softmax of the model's logits at that position (one forward from zero state, in this process)."""
+    """Logprobs cross the replica boundary intact: each generated token's, and its top alternatives, and with
+    echo each prompt token's, equal log_softmax of the model's logits at that position (one forward from zero
+    state, in this process)."""
     model, tok = load_zoo("kda-tiny")
     prompt = "def area(radius):\n    return"
     out = _client(server).completions.create(model="kda-tiny", prompt=prompt, max_tokens=6, temperature=0,
@@ -175,6 +176,13 @@ def test_logprobs_through_serve_are_the_models(server):
         best = ref[pos].topk(2)
         assert all(abs(top[tok.token_string(i)] - v) < 1e-4 for i, v in zip(best.indices.tolist(),
                                                                            best.values.tolist()))
+    echoed = _client(server).completions.create(model="kda-tiny", prompt=prompt, max_tokens=1, logprobs=1,
+                                                echo=True, temperature=0).choices[0].logprobs  # lm-eval's request
+    assert echoed.token_logprobs[0] is None and len(echoed.tokens) == len(p) + 1
+    with torch.no_grad():
+        rows = torch.log_softmax(model.forward_train(torch.tensor([p]))[0].float(), -1)
+    for j in range(len(p) - 1):  # row j: prompt token j + 1
+        assert abs(echoed.token_logprobs[j + 1] - rows[j, p[j + 1]].item()) < 1e-4
 
 
 def test_a_request_with_several_prompts_is_answered(server):

@@ -76,3 +76,27 @@ def test_logprobs_change_no_tokens_and_are_absent_unless_asked():
         assert all(o.new_logprobs is None for o in without)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("name", ["kda-tiny", "gdn-tiny"])
+def test_prompt_logprobs_are_exact_and_never_resume_inside_the_prompt(name):
+    """Every prompt token's entry from the first on equals the reference, in pieces of a small chunk size, also
+    when the prompt is cached (the request recomputes it: cached_tokens 0), and with max_tokens 0."""
+    model, tok = load_zoo(name)
+    engine = Engine(model, tok, EngineConfig(max_running=4, chunk_size=48))
+    prompt = tok.encode(open(__file__).read()[:600])
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # caches the prompt's checkpoints
+    ref = _reference(model, prompt[:1], prompt[1:])  # row j: token j + 1 of the prompt
+    for max_tokens in (0, 3):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, prompt_logprobs=2, logprobs=2)
+        outs = _stream(engine, prompt, params)[0]
+        entries = outs[0].prompt_logprobs
+        assert outs[-1].cached_tokens == 0 and entries[0] is None and len(entries) == len(prompt)
+        assert all(o.prompt_logprobs is None for o in outs[1:])
+        for j, (chosen, top) in enumerate(entries[1:]):
+            assert abs(chosen - ref[j, prompt[j + 1]].item()) < TOL
+            assert max(abs(v - w) for (_, v), w in zip(top, ref[j].topk(2).values.tolist(), strict=True)) < TOL
+        assert sum(len(o.new_token_ids) for o in outs) == max_tokens and outs[-1].finish_reason == "length"
+    engine.check_integrity()
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
