@@ -94,7 +94,7 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
                               stop_token_ids=stop_ids, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, cache_lossless=body.cache_lossless)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
 

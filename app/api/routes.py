@@ -163,15 +163,18 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         heads = [final[(i, 0)] for i in range(len(prompts))]
         return {"id": rid, "object": "text_completion", "created": now(), "model": settings.model_name,
                 "system_fingerprint": _fingerprint(heads[0]), "choices": choices,
-                "usage": usage(sum(h.prompt_tokens for h in heads), comp_t, sum(h.cached_tokens for h in heads))}
+                "usage": usage(sum(h.prompt_tokens for h in heads), comp_t, sum(h.cached_tokens for h in heads),
+                               any(o.compressed_hit for o in final.values()))}
 
     @app.post("/v1/chat/completions", responses=GENERATION)
     async def chat(body: ChatCompletionRequest, request: Request):
         limits.check_request(body, settings)
         prompt = limits.chat_prompt(body, tok, settings)
         limits.check_prompt(prompt, settings, tok)
-        params = limits.sampling_params(body, body.max_completion_tokens or body.max_tokens, settings, 1,
-                                        tok.vocab_size)
+        asked = body.max_completion_tokens or body.max_tokens
+        if asked is None:  # chat's default, as vLLM's: the rest of the context (within the operator's limit)
+            asked = max(1, min(settings.max_tokens_limit, backend.max_model_len - len(prompt)))
+        params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size)
         _validate(backend, prompt, params)
         rid = _request_id("chatcmpl", request)
         outputs = _start(backend, [prompt], params, settings, body.stream)
@@ -184,7 +187,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                     "finish_reason": o.finish_reason} for o in outs]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
                 "system_fingerprint": _fingerprint(outs[0]), "choices": choices,
-                "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens)}
+                "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens,
+                               any(o.compressed_hit for o in outs))}
 
     return app
 
@@ -294,7 +298,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _stream_completions(outputs, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, prompt_t, comp_t, cached, seen, lps, prompt_lps = now(), 0, 0, 0, set(), {}, {}
+    created, prompt_t, comp_t, cached, seen, lps, prompt_lps, compressed = now(), 0, 0, 0, set(), {}, {}, False
     late_echo = body.echo and params.logprobs is not None  # the echo chunk waits for the prompt's logprobs
     if body.echo and not late_echo:
         for i, prompt in enumerate(prompts):
@@ -307,6 +311,7 @@ async def _stream_completions(outputs, prompts, params, body, rid, settings, tok
             if late_echo and (i, out.index) not in lps:
                 lp = lps.setdefault((i, out.index), CompletionLogprobs(tok)).chunk(prompts[i], prompt_lps[i])
                 yield _text_chunk(rid, created, settings, i * params.n + out.index, tok.decode(prompts[i]), None, lp)
+            compressed = compressed or out.compressed_hit
             if i not in seen:
                 seen.add(i)
                 prompt_t, cached = prompt_t + out.prompt_tokens, cached + out.cached_tokens
@@ -320,14 +325,14 @@ async def _stream_completions(outputs, prompts, params, body, rid, settings, tok
                                   lp)
     if body.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-               "choices": [], "usage": usage(prompt_t, comp_t, cached)}
+               "choices": [], "usage": usage(prompt_t, comp_t, cached, compressed)}
 
 
 async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, comp_t, started, head = now(), 0, set(), None
+    created, comp_t, started, head, compressed = now(), 0, set(), None, False
     async with aclosing(outputs):
         async for _, out in outputs:
-            head = head or out
+            head, compressed = head or out, compressed or out.compressed_hit
             comp_t += len(out.new_token_ids)
             delta = {} if out.index in started else {"role": "assistant"}
             started.add(out.index)
@@ -340,7 +345,7 @@ async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]
                        "model": settings.model_name, "choices": [choice]}
     if body.include_usage and head is not None:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
-               "choices": [], "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens)}
+               "choices": [], "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens, compressed)}
 
 
 def _text_chunk(rid, created, settings, index, text, finish_reason, logprobs: dict | None = None) -> dict:

@@ -88,6 +88,8 @@ class _Request(BaseModel):
     min_tokens: int = Field(default=0, ge=0, description="vLLM's: no stop before this many tokens")
     cache_salt: Text | None = Field(default=None, description="prefixes are shared only among requests with the "
                                     "same salt (vLLM's field): one tenant's prompts do not hit another's cache")
+    cache_lossless: bool = Field(default=False, description="extension: resume only from exact checkpoints, never "
+                                 "from a compressed (dasc) one")
 
     @field_validator("stop")
     @classmethod
@@ -210,10 +212,13 @@ class Usage(BaseModel):
     prompt_tokens_details: dict = Field(default_factory=dict)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, compressed: bool = False) -> dict:
+    """OpenAI's usage, with an extension in `prompt_tokens_details`: `compressed_checkpoint`, whether a lossy
+    (dasc or INT8) checkpoint served any of the request's prompts."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details={"cached_tokens": cached_tokens}).model_dump()
+                 prompt_tokens_details={"cached_tokens": cached_tokens, "compressed_checkpoint": compressed}
+                 ).model_dump()
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

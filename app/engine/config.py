@@ -108,6 +108,12 @@ class CheckpointSettings:
     checkpoint_budget_mb: float | None
     checkpoint_slots: int | None
 
+    @property
+    def exact(self) -> bool:
+        """Whether a stored checkpoint is an exact copy of the state (dense, fp32): a hit on it answers as a cold
+        run does. Any W_max or INT8 storage is lossy (nr zero-fills omitted units, wr replays a bounded window)."""
+        return self.w_max is None and self.quant == "none"
+
 
 @dataclass(frozen=True)
 class Knob:

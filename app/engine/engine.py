@@ -174,7 +174,8 @@ class Engine:
             elif seq.params.max_tokens == 0 and seq.num_computed == seq.num_tokens:  # the prompt's logprobs only
                 self._finish(seq, "length", store=True)
                 outputs.append(RequestOutput(seq.request_id, seq.index, [], "", "", True, "length", seq.prompt_len,
-                                             seq.cached_len, [], None, prompt_logprobs=[None, *seq.prompt_lps]))
+                                             seq.cached_len, [], None, prompt_logprobs=[None, *seq.prompt_lps],
+                                             compressed_hit=seq.compressed_hit))
         return outputs
 
     def _processed(self, works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -261,7 +262,7 @@ class Engine:
         return RequestOutput(seq.request_id, seq.index, [token], delta, seq.text, reason is not None, reason,
                              seq.prompt_len, seq.cached_len, list(seq.output_ids) if reason else [],
                              seq.first_token_time - seq.arrival, new_logprobs=None if logprobs is None else [logprobs],
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, compressed_hit=seq.compressed_hit)
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()

@@ -52,6 +52,7 @@ class SamplingParams:
     # the prompt's tokens too (each from the first on): the request then computes every prompt position and
     # resumes from no checkpoint inside the prompt; with it, max_tokens may be 0 (the prompt only, n 1)
     prompt_logprobs: int | None = None
+    cache_lossless: bool = False  # resume only from exact checkpoints (a lossy one is not used: recomputed)
     # vLLM's logits processing (app/engine/logits.py) and min_p (app/engine/sampling.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -146,6 +147,7 @@ class Sequence:
     counted: bool = False  # prompt and hit counted in telemetry
     fork_of: "Sequence | None" = None  # n > 1: waits for this leader to reach the fork point
     fork: ForkHold | None = None  # leader of n > 1: the held fork state (set once)
+    compressed_hit: bool = False  # resumed from a lossy (dasc or INT8) checkpoint, or forked from one that did
     # prompt_logprobs: the entries of prompt tokens 1..prompt_lp_upto so far (token 0 has none)
     prompt_lps: list = field(default_factory=list)
 
@@ -207,6 +209,7 @@ class RequestOutput:
     # with `SamplingParams.prompt_logprobs`, in the sequence's first output (index 0's): one entry per prompt
     # token, None for the first
     prompt_logprobs: list | None = None
+    compressed_hit: bool = False  # the sequence resumed from a lossy checkpoint (see `Sequence.compressed_hit`)
 
     def wire(self) -> dict:
         """The fields to send over a process boundary (a Serve stream). A chunk before the last carries its

@@ -123,7 +123,8 @@ class Scheduler:
         limit = len(tokens) - 1  # at least one token is always computed, to produce logits
         if seq.params.prompt_logprobs is not None:  # resume only where the prompt's logprobs are collected
             limit = min(limit, seq.prompt_lp_upto)
-        use_cache = self.cfg.enable_cache or seq.fork_of is not None
+        exact = self.cfg.checkpoint_settings.exact
+        use_cache = (self.cfg.enable_cache or seq.fork_of is not None) and (exact or not seq.params.cache_lossless)
         salt = seq.params.cache_salt
         match = self.cache.match(tokens, limit, salt) if use_cache else None
         hit = match is not None and match.checkpoint_node is not None
@@ -140,6 +141,7 @@ class Scheduler:
         if hit:
             self.worker.load(self.cache.load_checkpoint(seq.node), seq.state_slot)
             self.loaded.append(seq)
+            seq.compressed_hit = seq.compressed_hit or not exact
         else:
             self.worker.zero(seq.state_slot)
         if not seq.admitted_once:
@@ -158,6 +160,7 @@ class Scheduler:
         seq.node, seq.num_computed, seq.kv_slots = hold.node, hold.pos, hold.kv_slots.clone()
         self.cache.lock(seq.node)
         seq.num_shared = seq.cached_len = hold.pos
+        seq.compressed_hit = seq.fork_of.compressed_hit
         if not last:
             self.worker.copy_state(hold.state_slot, None, seq.state_slot)  # if it raises, the caller requeues
         hold.waiting -= 1

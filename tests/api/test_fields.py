@@ -188,3 +188,47 @@ async def test_logit_bias_and_penalties_reach_the_engine(app):
 async def test_bad_processing_settings_are_refused(app, extra, param):
     r = await _post(app, "/v1/completions", {**COMPLETION, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.fixture(scope="module")
+def lossy_app():
+    """The API over an engine that stores dasc nr checkpoints at W_max 16 (lossy)."""
+    from app.api.local import LocalBackend
+    from app.engine.config import EngineConfig
+    from app.engine.engine import Engine
+    from tests.helpers import load_zoo
+
+    model, tok = load_zoo("kda-tiny")
+    local = LocalBackend(Engine(model, tok, EngineConfig(kv_slots=16384, checkpoint_budget_mb=16, w_max=16)))
+    yield build_api(local, SETTINGS)
+    local.engine.shutdown()
+
+
+async def test_cache_lossless_never_resumes_from_a_compressed_checkpoint(lossy_app):
+    """usage.prompt_tokens_details.compressed_checkpoint says when a lossy checkpoint served the request;
+    `cache_lossless` (an extension) keeps a request off them: it recomputes and answers as the cold run did."""
+    body = {**COMPLETION, "prompt": "def mean(xs):\n    return sum(xs) / len(xs)\n", "max_tokens": 8,
+            "ignore_eos": True}
+    cold = (await _post(lossy_app, "/v1/completions", body)).json()
+    assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "compressed_checkpoint": False}
+    hit = (await _post(lossy_app, "/v1/completions", body)).json()
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert hit["usage"]["prompt_tokens_details"]["compressed_checkpoint"] is True
+    for stream in (False, True):
+        r = await _post(lossy_app, "/v1/completions", {**body, "cache_lossless": True, "stream": stream,
+                                                       "stream_options": {"include_usage": True} if stream else None})
+        if stream:
+            events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+            text, used = "".join(c["choices"][0]["text"] for c in events if c["choices"]), events[-1]["usage"]
+        else:
+            text, used = r.json()["choices"][0]["text"], r.json()["usage"]
+        assert used["prompt_tokens_details"] == {"cached_tokens": 0, "compressed_checkpoint": False}
+        assert text == cold["choices"][0]["text"]
+
+
+async def test_chat_defaults_to_the_rest_of_the_context_within_the_limit(backend):
+    app = build_api(backend, ApiSettings(model_name="kda-tiny", api_key=KEY, max_tokens_limit=20))
+    r = (await _post(app, "/v1/chat/completions", {**CHAT, "max_tokens": None, "ignore_eos": True})).json()
+    assert r["usage"]["completion_tokens"] == 20 and r["choices"][0]["finish_reason"] == "length"
+    r = (await _post(app, "/v1/completions", {**COMPLETION, "max_tokens": None, "ignore_eos": True})).json()
+    assert r["usage"]["completion_tokens"] == SETTINGS.default_max_tokens  # completions keep their default
