@@ -19,13 +19,13 @@ from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
-from app.engine.logits import needs_processing, process
+from app.engine.logits import needs_processing
+from app.engine.picks import collect_prompt_logprobs, greedy_tokens, output_logprobs, processed, sample
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
-from app.engine.sampling import sample_rows
 from app.engine.scheduler import Scheduler, Work
 from app.engine.step_batch import StepBatch
 from app.engine.telemetry import Telemetry
-from app.engine.worker import Worker, split_logits
+from app.engine.worker import Worker
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer
 
@@ -157,10 +157,10 @@ class Engine:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
         picked, raw = self.run_works(works)
-        logits = self._processed(works, raw)
-        picked.update(_greedy_tokens(works, logits))
-        picked.update(_sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
-        logprobs = _logprobs([w.seq for w in works if id(w.seq) in picked and w.seq.params.logprobs is not None],
+        logits = processed(works, raw, self.tokenizer.stop_token_ids)
+        picked.update(greedy_tokens(works, logits))
+        picked.update(sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
+        logprobs = output_logprobs([w.seq for w in works if id(w.seq) in picked and w.seq.params.logprobs is not None],
                              raw, picked)
         self.telemetry.steps += 1
         outputs = []
@@ -177,15 +177,6 @@ class Engine:
                                              seq.cached_len, [], None, prompt_logprobs=[None, *seq.prompt_lps],
                                              compressed_hit=seq.compressed_hit))
         return outputs
-
-    def _processed(self, works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """`logits` with the rows of requests that ask for penalties, logit_bias or min_tokens processed
-        (app/engine/logits.py); the others as they are."""
-        seqs = [w.seq for w in works if id(w.seq) in logits and needs_processing(w.seq.params)]
-        if not seqs:
-            return logits
-        rows = process(torch.stack([logits[id(s)] for s in seqs]), seqs, self.tokenizer.stop_token_ids)
-        return {**logits, **{id(s): rows[i] for i, s in enumerate(seqs)}}
 
     def _checkpoint_after(self, seq: Sequence, start: int) -> None:
         """Store the checkpoints of the cuts this step passed: inside the piece from the worker's snapshots,
@@ -292,7 +283,7 @@ class Engine:
                           [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy, every)
         tokens, logits = self.worker.run(batch)
         for i in every:
-            _collect_prompt_logprobs(works[i], self.worker.piece_logits[i])
+            collect_prompt_logprobs(works[i], self.worker.piece_logits[i])
         keys = [id(works[i].seq) for i in want]
         return (dict(zip([k for k, g in zip(keys, greedy) if g], tokens)),
                 dict(zip([k for k, g in zip(keys, greedy) if not g], logits)))
@@ -344,54 +335,6 @@ def _generator(seed: int | None, index: int) -> torch.Generator | None:
     """Sample `index`'s generator: seed + index taken modulo 2**64, the range `manual_seed` takes (which maps a
     negative seed s to s + 2**64 itself), so that no seed a request may carry overflows it."""
     return None if seed is None else torch.Generator().manual_seed((seed + index) % 2**64)
-
-
-def _greedy_tokens(works: list[Work], logits: dict[int, torch.Tensor]) -> dict[int, int]:
-    """Greedy picks of rows that came back as logits (`keep_logits`), as the worker makes them, keyed by id(seq)."""
-    keys = [id(w.seq) for w in works if id(w.seq) in logits and w.seq.params.temperature <= 0]
-    if not keys:
-        return {}
-    return dict(zip(keys, split_logits(torch.stack([logits[k] for k in keys]), (True,) * len(keys))[0]))
-
-
-def _sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, int]:
-    """The step's sampled picks (temperature > 0) in one `sample_rows` call, keyed by id(seq)."""
-    if not seqs:
-        return {}
-    params = [s.params for s in seqs]
-    tokens = sample_rows(torch.stack([logits[id(s)] for s in seqs]), [p.temperature for p in params],
-                         [p.top_p for p in params], [p.top_k for p in params], [s.generator for s in seqs],
-                         [p.min_p for p in params])
-    return dict(zip([id(s) for s in seqs], tokens))
-
-
-def _collect_prompt_logprobs(work: Work, rows: torch.Tensor) -> None:
-    """The entries of the prompt tokens this piece's rows predict (row j: token start + j + 1), appended to the
-    sequence's; a piece recomputed after a preemption only adds the tokens past those it has."""
-    seq, k = work.seq, work.seq.params.prompt_logprobs
-    first, last = max(work.start + 1, seq.prompt_lp_upto + 1), min(work.end, seq.prompt_len - 1)
-    if first > last:
-        return
-    lp = torch.log_softmax(rows[first - work.start - 1 : last - work.start], dim=-1)
-    targets = torch.tensor(seq.prompt_ids[first : last + 1])
-    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    seq.prompt_lps += [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_i.tolist(), top_v.tolist())]
-
-
-def _logprobs(seqs: list[Sequence], logits: dict[int, torch.Tensor],
-              picked: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
-    """(log-probability of the picked token, top `logprobs` (id, log-probability) pairs) per sequence, keyed by
-    id(seq): log_softmax of the raw logits in float32, whatever sampling did to pick."""
-    if not seqs:
-        return {}
-    lp = torch.log_softmax(torch.stack([logits[id(s)] for s in seqs]).float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([[picked[id(s)]] for s in seqs], device=lp.device))[:, 0].tolist()
-    k = max(s.params.logprobs for s in seqs)
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    return {id(s): (chosen[r], list(zip(top_i[r][: s.params.logprobs], top_v[r][: s.params.logprobs])))
-            for r, s in enumerate(seqs)}
 
 
 def _model_len(model: HybridForCausalLM) -> int:

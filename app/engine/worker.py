@@ -148,15 +148,10 @@ class Worker:
         else:
             logits, new_states = self.model(ids, layout, kv, self.states.gather(slots), logit_rows=picked)
             self.states.scatter(slots, new_states)
-        self.piece_logits = {}
-        if rows is not None:  # every_row pieces: all their rows kept; every piece's last row goes on as usual
-            at = 0
-            for i, n in enumerate(batch.extend_lens):
-                if i in batch.every_row:
-                    self.piece_logits[i] = logits[at : at + n].float().cpu()
-                    at += n
-                else:
-                    at += 1
+        # every_row pieces: all their rows kept (they end at the piece's last row); every last row goes on
+        self.piece_logits = {i: logits[last[i] - n + 1 : last[i] + 1].float().cpu()
+                             for i, n in enumerate(batch.extend_lens) if i in batch.every_row}
+        if rows is not None:
             logits = logits[host_to_device(last, self.device)]
         self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         if batch.want_logits != list(range(logits.shape[0])):
