@@ -150,13 +150,13 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         if body.stream:
             first = await _first(outputs)
             return _sse(_stream_completions(first, prompts, params, body, rid, settings, tok))
-        final, entries = await _collect(outputs, params.logprobs is not None)
+        final, entries, prompt_entries = await _collect(outputs, params.logprobs is not None)
         choices, comp_t = [], 0
         for (i, j), out in sorted(final.items()):
             text = (tok.decode(prompts[i]) if body.echo else "") + out.text
             lp = None
             if params.logprobs is not None:
-                pairs = (list(zip(prompts[i], entries[("prompt", i)])) if body.echo else []) + entries.get((i, j), [])
+                pairs = (list(zip(prompts[i], prompt_entries[i])) if body.echo else []) + entries.get((i, j), [])
                 lp = CompletionLogprobs(tok).chunk([t for t, _ in pairs], [e for _, e in pairs])
             choices.append({"index": len(choices), "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
             comp_t += len(out.output_ids)
@@ -180,7 +180,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         outputs = _start(backend, [prompt], params, settings, body.stream)
         if body.stream:
             return _sse(_stream_chat(await _first(outputs), body, rid, settings, tok))
-        final, entries = await _collect(outputs, params.logprobs is not None)
+        final, entries, _ = await _collect(outputs, params.logprobs is not None)
         outs = [out for _, out in sorted(final.items())]
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": None if params.logprobs is None else chat_logprobs(tok, *zip(*entries[(0, o.index)])),
@@ -247,22 +247,23 @@ def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, s
                    settings.max_buffered_chunks if stream else None)
 
 
-async def _collect(outputs: Outputs, logprobs: bool = False) -> tuple[dict[tuple[int, int], RequestOutput], dict]:
+async def _collect(outputs: Outputs, logprobs: bool = False) -> tuple[dict[tuple[int, int], RequestOutput], dict,
+                                                                       dict[int, list]]:
     """The final output of each sequence, keyed by (prompt index, sequence index); with `logprobs`, also each
     sequence's (token id, logprobs entry) pairs in order, under the same keys, and each prompt's entries (when
-    the request asked for them) under ("prompt", prompt index)."""
-    final, entries = {}, {}
+    the request asked for them) by prompt index."""
+    final, entries, prompt_entries = {}, {}, {}
     try:
         async for i, out in outputs:
             if logprobs:
                 entries.setdefault((i, out.index), []).extend(zip(out.new_token_ids, out.new_logprobs or ()))
                 if out.prompt_logprobs is not None:
-                    entries[("prompt", i)] = out.prompt_logprobs
+                    prompt_entries[i] = out.prompt_logprobs
             if out.finished:
                 final[(i, out.index)] = out
     except Exception as e:
         raise from_backend(e) from e
-    return final, entries
+    return final, entries, prompt_entries
 
 
 async def _first(outputs: Outputs) -> AsyncIterator[tuple[int, RequestOutput]]:
