@@ -42,13 +42,15 @@ SERVING = {"HEALTHY", "UPSCALING", "DOWNSCALING"}  # engine deployment statuses 
 
 
 class RayBackend:
-    def __init__(self, handle, tokenizer: Tokenizer, max_model_len: int, digest_block: int, controller_cfg: dict):
+    def __init__(self, handle, tokenizer: Tokenizer, max_model_len: int, digest_block: int, controller_cfg: dict,
+                 model_name: str):
+        """`model_name`: the served model name, as the metrics label it."""
         self.handle = handle.options(stream=True)
         self.app_name, self.deployment_name = handle.app_name, handle.deployment_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.digest_block = digest_block
-        self.metrics = ApiMetrics()
+        self.metrics = ApiMetrics(model_name)
         self.controller = ControllerClient(controller_cfg["actor"])
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -64,16 +66,15 @@ class RayBackend:
         """Stream the request's outputs; `deadline` (absolute time.time()) goes to the engine."""
         req = GenerateRequest(prompt_ids, params, prompt=self.tokenizer.decode(prompt_ids),
                               hashes=self._hashes(prompt_ids, params), deadline=deadline)
-        start, streamed, retried = time.perf_counter(), False, False
+        meter, streamed, retried = self.metrics.meter(params.n), False, False
         _own_routing_id()
         while True:
             response, finished = self.handle.generate.remote(req), False
             try:
-                async for out in response:
-                    if not streamed:
-                        self.metrics.ttft.observe(time.perf_counter() - start)
-                        streamed = True
-                    yield RequestOutput(**out)
+                async for wired in response:
+                    out, streamed = RequestOutput(**wired), True
+                    meter.observe(out)
+                    yield out
                 finished = True
                 self.metrics.requests.labels(route="generate", outcome="ok").inc()
                 return
@@ -144,9 +145,9 @@ class Ingress:
         model_dir = resolve_model_dir(model)
         cfg = read_config(model_dir)
         max_len = int(cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 4096)
-        self.backend = RayBackend(engine, Tokenizer.from_dir(model_dir), max_len, digest_block, controller)
         api = dict(api)
         served = api.pop("served_model_name", None) or model
+        self.backend = RayBackend(engine, Tokenizer.from_dir(model_dir), max_len, digest_block, controller, served)
         # Serve's proxy takes, makes and echoes X-Request-Id (RequestIdMiddleware); the routes' log of it goes to
         # the replica's log through Serve's logger
         self.settings = ApiSettings(model_name=served, request_id_header=False, **api)

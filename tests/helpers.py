@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.engine.engine import Engine
 from app.models.loader import ZOO_DIR, load_model
@@ -30,3 +31,10 @@ def record_logits(engine: Engine) -> dict:
 
     engine.run_works = recording
     return seen
+
+
+def metric_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a Prometheus text page (parsed by prometheus_client's parser), by (sample name, label
+    set as a frozenset of (name, value) pairs)."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 
-from app.api.metrics import ApiMetrics
+from app.api.metrics import LOCAL, ApiMetrics
 from app.api.routes import ApiSettings, build_api
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
@@ -19,25 +18,25 @@ from app.models.tokenizer import Tokenizer
 
 
 class LocalBackend:
-    def __init__(self, engine: Engine | Callable[[], Engine], health_timeout_s: float = 10.0) -> None:
+    def __init__(self, engine: Engine | Callable[[], Engine], health_timeout_s: float = 10.0,
+                 model_name: str = LOCAL) -> None:
         """An engine, or a factory: then the engine is built in its step thread (see AsyncEngine).
-        `health_timeout_s`: how long `health` waits for the step thread to come round its loop."""
+        `health_timeout_s`: how long `health` waits for the step thread to come round its loop. `model_name`:
+        the served model name, as the metrics label it."""
         self.engine = AsyncEngine(engine)
         self.health_timeout_s = health_timeout_s
         self.tokenizer = self.engine.engine.tokenizer
         self.max_model_len = self.engine.engine.max_model_len
-        self.metrics = ApiMetrics()
+        self.metrics = ApiMetrics(model_name)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.engine.validate(prompt_ids, params)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        start, first = time.perf_counter(), True
+        meter = self.metrics.meter(params.n)
         async for out in self.engine.generate(prompt_ids, params, deadline=deadline):
-            if first:
-                self.metrics.ttft.observe(time.perf_counter() - start)
-                first = False
+            meter.observe(out)
             yield out
 
     async def health(self) -> None:
@@ -46,10 +45,10 @@ class LocalBackend:
         await asyncio.to_thread(self.engine.check_alive, self.health_timeout_s)
 
     async def metrics_text(self) -> str:
-        return self.metrics.render({"local": self.engine.snapshot()})
+        return self.metrics.render({LOCAL: self.engine.snapshot()})
 
     async def status(self) -> dict:
-        return {"replicas": {"local": self.engine.snapshot()}}
+        return {"replicas": {LOCAL: self.engine.snapshot()}}
 
 
 def main(argv=None) -> None:
@@ -63,8 +62,10 @@ def main(argv=None) -> None:
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin")
     args = p.parse_args(argv)
     model_dir = resolve_model_dir(args.model)
-    backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig()))
-    app = build_api(backend, ApiSettings(model_name=args.served_model_name or args.model, api_key=args.api_key,
+    served = args.served_model_name or args.model
+    backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig()),
+                           model_name=served)
+    app = build_api(backend, ApiSettings(model_name=served, api_key=args.api_key,
                                                cors_origins=tuple(args.cors_origin)))
     uvicorn.run(app, host="127.0.0.1", port=args.port)
 

@@ -1,12 +1,40 @@
-"""Prometheus metrics of the API: request counts and TTFT observed at the front door, plus engine and
-controller state published as gauges at scrape time (one label set per replica; a replica the controller no
-longer lists, because it died or was replaced, leaves them at the next scrape)."""
+"""Prometheus metrics of the API, in two families.
+
+- vLLM's metrics under our prefix (`dasc:time_to_first_token_seconds`, `dasc:prompt_tokens_total`, ...: the names,
+  types, buckets and `model_name` / `engine` labels of vLLM v1, so its dashboards work after a prefix change).
+  Per-request latencies and token counts are observed where each generation's outputs flow, by a
+  `GenerationMeter` the backend runs over them; running / waiting and the prefix cache's queries and hits come
+  from the engine snapshots at scrape time. `engine` is the replica that served ("local" without Ray).
+- Our own (`dasc_requests`, `dasc_ttft_seconds`, `dasc_engine_*`, `dasc_controller`): engine and controller
+  state as gauges, one label set per replica alive now (a replica the controller no longer lists, because it
+  died or was replaced, leaves them at the next scrape).
+
+Counters never decrease. The prefix cache counters are derived from the snapshots' running totals, which a
+replica's engine restarts from 0: each scrape adds what a replica's total grew by since the previous one (all
+of it when it went down, as after a restart), and a replica that left keeps its series at the last value, so a
+sum over `engine` never drops either.
+"""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from app.engine.request import RequestOutput
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py)
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+LABELS = ("model_name", "engine")
+LOCAL = "local"  # the engine label of outputs no replica named (the local backend)
+# snapshot running totals -> the vLLM counter each one feeds (in tokens, as vLLM v1 counts the prefix cache)
+SNAPSHOT_COUNTERS = {"prompt_tokens": "prefix_cache_queries", "cached_tokens": "prefix_cache_hits"}
 ENGINE_GAUGES = {
     "hit_rate": "token-weighted prefix cache hit rate (cached prompt tokens / prompt tokens)",
     "checkpoint_slots": "checkpoint slots in the pool",
@@ -25,37 +53,124 @@ ENGINE_GAUGES = {
 
 
 class ApiMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str = LOCAL) -> None:
+        """`model_name`: the served model name, the value of every vLLM-named metric's `model_name` label."""
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("dasc_requests", "API requests by route and outcome", ["route", "outcome"],
-                                registry=self.registry)
+                                registry=r)
         self.retries = Counter("dasc_retries", "requests retried on another replica after theirs failed before "
-                               "the first token", registry=self.registry)
+                               "the first token", registry=r)
         self.ttft = Histogram("dasc_ttft_seconds", "time to first token seen by the API", buckets=TTFT_BUCKETS,
-                              registry=self.registry)
-        self.engine = {k: Gauge(f"dasc_engine_{k}", doc, ["replica"], registry=self.registry)
-                       for k, doc in ENGINE_GAUGES.items()}
-        self.controller = Gauge("dasc_controller", "tuning controller state", ["field"], registry=self.registry)
-        self._replicas: set[str] = set()  # replicas with label sets in the engine gauges
+                              registry=r)
+        self.engine = {k: Gauge(f"dasc_engine_{k}", doc, ["replica"], registry=r) for k, doc in ENGINE_GAUGES.items()}
+        self.controller = Gauge("dasc_controller", "tuning controller state", ["field"], registry=r)
+        self._replicas: set[str] = set()  # replicas with label sets in the gauges
+
+        self.time_to_first_token = Histogram("dasc:time_to_first_token_seconds", "Histogram of time to first "
+                                             "token in seconds.", LABELS, buckets=VLLM_TTFT_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("dasc:time_per_output_token_seconds", "Histogram of time per output "
+                                               "token in seconds (vLLM's older name of the inter-token latency).",
+                                               LABELS, buckets=VLLM_ITL_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("dasc:inter_token_latency_seconds", "Histogram of inter-token latency "
+                                             "in seconds.", LABELS, buckets=VLLM_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram("dasc:e2e_request_latency_seconds", "Histogram of e2e request latency "
+                                             "in seconds.", LABELS, buckets=VLLM_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dasc:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
+        self.generation_tokens = Counter("dasc:generation_tokens", "Number of generation tokens processed.", LABELS,
+                                         registry=r)
+        self.request_success = Counter("dasc:request_success", "Count of successfully processed requests.",
+                                       LABELS + ("finished_reason",), registry=r)
+        self.num_requests_running = Gauge("dasc:num_requests_running", "Number of requests in model execution "
+                                          "batches.", LABELS, registry=r)
+        self.num_requests_waiting = Gauge("dasc:num_requests_waiting", "Number of requests waiting to be "
+                                          "processed.", LABELS, registry=r)
+        self.prefix_cache_queries = Counter("dasc:prefix_cache_queries", "Prefix cache queries, in terms of number "
+                                            "of queried tokens.", LABELS, registry=r)
+        self.prefix_cache_hits = Counter("dasc:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                         "tokens.", LABELS, registry=r)
+        self._totals: dict[str, dict[str, int]] = {}  # per replica ever seen: its last snapshot running totals
+
+    def meter(self, n: int) -> GenerationMeter:
+        """A meter for one generation of `n` sequences, started now."""
+        return GenerationMeter(self, n)
 
     def render(self, snapshots: dict[str, dict], controller: dict | None = None) -> str:
-        """The registry as Prometheus text, with the engine gauges set from `snapshots` (the replicas alive now,
+        """The registry as Prometheus text, with the engine metrics set from `snapshots` (the replicas alive now,
         by id) and the controller gauge from `controller` (flat numeric fields)."""
         for gone in self._replicas - snapshots.keys():
             for gauge in self.engine.values():
-                try:
-                    gauge.remove(gone)
-                except KeyError:  # this gauge never had a value for it
-                    pass
+                _remove(gauge, gone)
+            _remove(self.num_requests_running, self.model_name, gone)
+            _remove(self.num_requests_waiting, self.model_name, gone)
         self._replicas = set(snapshots)
         for replica, snap in snapshots.items():
             for key, gauge in self.engine.items():
                 value = snap.get(key)
                 if isinstance(value, (int, float)):
                     gauge.labels(replica=replica).set(value)
+            self.num_requests_running.labels(self.model_name, replica).set(snap.get("running", 0))
+            self.num_requests_waiting.labels(self.model_name, replica).set(snap.get("waiting", 0))
+            self._count(replica, snap)
         for key, value in (controller or {}).items():
             if isinstance(value, bool):
                 value = float(value)
             if isinstance(value, (int, float)):
                 self.controller.labels(field=key).set(value)
         return generate_latest(self.registry).decode()
+
+    def _count(self, replica: str, snap: dict) -> None:
+        """Add what each of `replica`'s running totals grew by since its last snapshot; a total below the last
+        one means its engine restarted from 0, so all of it is new."""
+        last = self._totals.setdefault(replica, {})
+        for key, name in SNAPSHOT_COUNTERS.items():
+            total = snap.get(key)
+            if not isinstance(total, int):
+                continue
+            before = last.get(key, 0)
+            getattr(self, name).labels(self.model_name, replica).inc(total - before if total >= before else total)
+            last[key] = total
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    try:
+        gauge.remove(*labels)
+    except KeyError:  # this gauge never had a value for these labels
+        pass
+
+
+class GenerationMeter:
+    """Observes one generation (one prompt's `n` sequences) as its outputs flow, in the backend's `generate`.
+
+    The first output gives the time to first token; every later output with new tokens of a sequence gives an
+    inter-token latency (the gap since that sequence's previous output: one per engine step, as vLLM observes
+    it); each sequence's final output adds its generated tokens and its finish reason; the last one the e2e
+    latency and the prompt's tokens (once per prompt, as `usage.prompt_tokens` counts them). A generation that
+    never finishes (aborted, failed) counts its TTFT and gaps only."""
+
+    def __init__(self, metrics: ApiMetrics, n: int) -> None:
+        self.metrics, self.open = metrics, n
+        self.start = time.perf_counter()
+        self._last: dict[int, float] = {}  # sequence index -> when its latest tokens came
+        self._first = True
+
+    def observe(self, out: RequestOutput) -> None:
+        now, m = time.perf_counter(), self.metrics
+        labels = (m.model_name, out.replica or LOCAL)
+        if self._first:
+            m.ttft.observe(now - self.start)
+            m.time_to_first_token.labels(*labels).observe(now - self.start)
+            self._first = False
+        if out.new_token_ids:
+            if out.index in self._last:
+                gap = now - self._last[out.index]
+                m.inter_token_latency.labels(*labels).observe(gap)
+                m.time_per_output_token.labels(*labels).observe(gap)
+            self._last[out.index] = now
+        if out.finished:
+            m.generation_tokens.labels(*labels).inc(len(out.output_ids))
+            m.request_success.labels(*labels, out.finish_reason).inc()
+            self.open -= 1
+            if self.open == 0:
+                m.e2e_request_latency.labels(*labels).observe(now - self.start)
+                m.prompt_tokens.labels(*labels).inc(out.prompt_tokens)

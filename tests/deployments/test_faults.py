@@ -122,7 +122,8 @@ def test_a_replica_that_cannot_step_is_retried_reported_and_replaced(app):
 
 def test_a_killed_replica_ends_its_stream_cleanly_and_leaves_the_metrics(app):
     """Defect 6 and streams cut by a replica death: the stream in flight on a killed replica ends with an error
-    event and [DONE]; the replica's label sets leave /metrics and /status; Serve replaces it."""
+    event and [DONE]; the replica's gauges leave /metrics and /status while its counters stay at their last
+    values (sums over replicas never drop); Serve replaces it."""
     stream = HeldStream(app, "a stream to cut: " + "xyz " * 20)
     _wait_for(stream.started.is_set, "the stream streams")
     busy = _wait_for(lambda: [r for r, s in _replicas(app).items() if s["running"] > 0], "its replica shows it")
@@ -136,6 +137,9 @@ def test_a_killed_replica_ends_its_stream_cleanly_and_leaves_the_metrics(app):
     _wait_for(lambda: f'replica="{victim}"' not in _get(f"{app}/metrics").text, "the dead replica leaves /metrics",
               60)  # 3 windows of 0.5 s
     assert victim not in _replicas(app)
+    page = _get(f"{app}/metrics").text
+    assert f'dasc:prefix_cache_queries_total{{engine="{victim}"' in page
+    assert f'dasc:num_requests_running{{engine="{victim}"' not in page
     _wait_for(lambda: len(_replicas(app)) == 2 and _get(f"{app}/health").status_code == 200, "Serve replaces it")
 
 

@@ -30,7 +30,7 @@ from ray import serve
 
 from deployments import controller as controller_mod
 from deployments.builder import build_app
-from tests.helpers import load_zoo
+from tests.helpers import load_zoo, metric_samples
 
 KEY = "test-key"
 LONG = 2000  # max_tokens of the streams held open (with ignore_eos): tens of seconds of decoding here
@@ -204,17 +204,35 @@ def test_repeated_prefix_reports_cached_tokens(server):
 
 
 def test_metrics_expose_hit_rate_slots_and_ttft(server):
+    """Our own names and vLLM's under `dasc:`, the latter labelled by model and serving replica: the ingress
+    counts the request's tokens and latencies as its outputs pass, the replicas' telemetry brings its prefix
+    cache queries and hits (per-replica series; the differences across this request are checked)."""
     c = _client(server)
-    c.completions.create(model="kda-tiny", prompt=_prompt(2), max_tokens=2, temperature=0)
+    before = metric_samples(_get(f"{server}/metrics").text)
+    r = c.completions.create(model="kda-tiny", prompt=_prompt(2), max_tokens=2, temperature=0, extra_body={
+        "ignore_eos": True})
+    labels = frozenset({"model_name": "kda-tiny", "engine": r.system_fingerprint.removeprefix("dasc-")}.items())
     names = ("dasc_engine_hit_rate", "dasc_engine_checkpoint_slots", "dasc_ttft_seconds_bucket")
 
-    def metrics_with_all_names() -> str | None:  # the engine gauges come from the replicas' telemetry windows
-        text = _get(f"{server}/metrics").text
-        return text if all(name in text for name in names) else None
+    def grew(page: dict, name: str) -> float:
+        return page.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
-    text = _wait_for(metrics_with_all_names, "/metrics shows the engine gauges and the TTFT histogram")
-    for name in names:
-        assert name in text, name
+    def metrics_with_all_names() -> dict | None:  # the engine metrics come from the replicas' telemetry windows
+        text = _get(f"{server}/metrics").text
+        page = metric_samples(text)
+        queried = grew(page, "dasc:prefix_cache_queries_total") >= r.usage.prompt_tokens
+        return page if queried and all(name in text for name in names) else None
+
+    page = _wait_for(metrics_with_all_names, "/metrics shows the engine gauges, histograms and prefix cache counts")
+    assert grew(page, "dasc:prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew(page, "dasc:generation_tokens_total") == r.usage.completion_tokens == 2
+    assert grew(page, "dasc:time_to_first_token_seconds_count") == 1
+    assert grew(page, "dasc:e2e_request_latency_seconds_count") == 1
+    assert grew(page, "dasc:inter_token_latency_seconds_count") == 1  # two tokens, one gap
+    assert grew(page, "dasc:prefix_cache_queries_total") == r.usage.prompt_tokens
+    assert grew(page, "dasc:prefix_cache_hits_total") == r.usage.prompt_tokens_details.cached_tokens
+    running = [dict(k) for name, k in page if name == "dasc:num_requests_running"]
+    assert len(running) == 2 and all(k["model_name"] == "kda-tiny" for k in running)  # one series per replica
     status = _get(f"{server}/status").json()
     assert len(status["replicas"]) == 2
 
