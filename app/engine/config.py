@@ -73,6 +73,8 @@ class EngineConfig:
     layout: Layout = knob("ragged", "checkpoint slot layout of retained units")
     selector: str = knob("decay", "decay, or random:<seed> (count-matched random units, the paper's baseline)",
                          pattern=r"decay|random:.*")
+    recompute_tail: int = knob(0, "after a lossy checkpoint load, recompute at least this many prompt tokens before "
+                                  "the last one (prompt-end checkpoints sit that far before the end)", ge=0)
     store_generation_end: bool = knob(True, "checkpoint where generation ended, so a conversation's next turn hits")
     checkpoint_min_gap: int = knob(16, "skip a branch, generation-end or interval checkpoint fewer than this many "
                                        "tokens above the sequence's last one", ge=0)
@@ -88,6 +90,12 @@ class EngineConfig:
             k.check(getattr(self, k.name))
         if self.checkpoint_slots is None and (self.checkpoint_budget_mb is None or self.checkpoint_budget_mb < 0):
             raise ValueError("checkpoint_budget_mb must be >= 0 unless checkpoint_slots is set")
+
+    @property
+    def tail(self) -> int:
+        """Prompt tokens recomputed before the last one after a load: `recompute_tail` when checkpoints are lossy,
+        0 when they are exact (a dense hit answers as a cold run without any)."""
+        return 0 if self.checkpoint_settings.exact else self.recompute_tail
 
     @property
     def checkpoint_settings(self) -> CheckpointSettings:

@@ -126,7 +126,8 @@ class Scheduler:
         exact = self.cfg.checkpoint_settings.exact
         use_cache = (self.cfg.enable_cache or seq.fork_of is not None) and (exact or not seq.params.cache_lossless)
         salt = seq.params.cache_salt
-        match = self.cache.match(tokens, limit, salt) if use_cache else None
+        # a lossy checkpoint is loaded `tail` tokens further back, so that the units it omitted are rebuilt
+        match = self.cache.match(tokens, max(0, limit - self.cfg.tail), salt) if use_cache else None
         hit = match is not None and match.checkpoint_node is not None
         seq.state_slot = self.states.alloc(1)[0]
         if hit:
@@ -211,8 +212,9 @@ class Scheduler:
                     if pos and seq.num_computed + self.cfg.checkpoint_min_gap <= pos <= prompt_end:
                         cuts[pos] = "branch"
             salt = seq.params.cache_salt
-            if prompt_end > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:prompt_end], salt):
-                cuts[prompt_end] = "prompt_end"
+            at = prompt_end - self.cfg.tail  # where a repeat of this prompt can load it (see `_admit`)
+            if at > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:at], salt):
+                cuts[at] = "prompt_end"
         if seq.params.n > 1 and seq.index == 0 and prompt_end > seq.num_computed:
             cuts[prompt_end] = "fork"
         return {p: k for p, k in cuts.items() if p > seq.num_computed}
