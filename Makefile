@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-fast gpu-check serve loadtest reliability clean
+.PHONY: install lint test test-fast gpu-check serve loadtest reliability eval clean
 
 HOST ?= http://127.0.0.1:8000
 LOADTEST_TIME ?= 60s
@@ -52,6 +52,18 @@ $(VENV)/.reliability: $(STAMP)
 reliability: $(VENV)/.reliability
 	RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 $(BIN)/python -m loadtest.reliability --out docs/reliability.md \
 		$(RELIABILITY_ARGS)
+
+# lm-evaluation-harness against our API (docs/fidelity.md): reference agreement with lm-eval's hf model, then answer
+# and logprob fidelity of every dasc setting against dense, each on local servers it starts on loopback (about an
+# hour on 2 cores; EVAL_ARGS="--limit 10 --settings dense,nr-W16" for a quick pass, "--url $(HOST)" to score the
+# reference run through a running `make serve`). Tasks are files in loadtest/eval/tasks: nothing is downloaded.
+EVAL_ARGS ?=
+$(VENV)/.eval: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,eval]'
+	@touch $@
+
+eval: $(VENV)/.eval
+	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.eval.run --out docs/fidelity.md $(EVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

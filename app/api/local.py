@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 
 from app.api.metrics import LOCAL, ApiMetrics
@@ -60,10 +61,17 @@ def main(argv=None) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin")
+    p.add_argument("--engine", type=json.loads, default={}, metavar="JSON",
+                   help='engine knobs as a JSON object, as under `engine:` in configs/config.yaml, e.g. '
+                        '\'{"w_max": 16, "policy": "wr"}\' (app/engine/config.py)')
     args = p.parse_args(argv)
     model_dir = resolve_model_dir(args.model)
     served = args.served_model_name or args.model
-    backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), EngineConfig()),
+    try:
+        config = EngineConfig(**args.engine)
+    except (TypeError, ValueError) as e:  # an unknown knob, a bad value
+        p.error(f"--engine: {e}")
+    backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), config),
                            model_name=served)
     app = build_api(backend, ApiSettings(model_name=served, api_key=args.api_key,
                                                cors_origins=tuple(args.cors_origin)))

@@ -35,12 +35,18 @@ class Telemetry:
         self.steps = 0
         self.wr_replay_tokens = 0
         self.wr_replay_s = 0.0
+        self.admitted = 0  # sequences, each counted once
+        self.hits = 0  # of them, those that resumed from a checkpoint
+        self.compressed_hits = 0  # of them, those that resumed from a lossy one (or forked from one that did)
 
     def on_admit(self, seq: Sequence) -> None:
         """Count a sequence's prompt and hit once, at its first admission."""
         self.prompt_tokens += seq.prompt_len
         self.cached_tokens += seq.cached_len
         self.replayed_tokens += seq.replayed
+        self.admitted += 1
+        self.hits += seq.cached_len > 0
+        self.compressed_hits += seq.compressed_hit
 
     def on_finish(self, seq: Sequence) -> RequestStats:
         ttft = (seq.first_token_time or seq.finish_time) - seq.arrival
@@ -60,6 +66,9 @@ class Telemetry:
         c = cache.counters
         return {
             "requests_finished": self.finished,
+            "sequences_admitted": self.admitted,
+            "sequences_hit": self.hits,
+            "sequences_compressed_hit": self.compressed_hits,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
