@@ -354,3 +354,32 @@ def test_controller_moves_off_dense_under_pressure(cluster, server):
     promoted = [d for d in state["decisions"] if d["decision"] == "promote"]
     assert state["window"] <= 60 and promoted
     assert promoted[0]["trial_ttft"] < promoted[0]["control_ttft"]  # promoted because TTFT improved, live
+
+
+def test_a_lossless_request_never_resumes_from_a_compressed_checkpoint(cluster, server):
+    """A replica that stores only dasc checkpoints (W_max 16, controller off): a repeated prompt resumes from a
+    compressed checkpoint and says so; the same prompt with `cache_lossless` is recomputed from the start (it
+    may use exact KV, never a lossy state) and its answer equals the cold one; chat says the same."""
+    serve.delete("dasc")
+    _kill_controller()
+    app = build_app({"model": "kda-tiny", "replicas": 1, "replica_cpus": 0.5,
+                     "engine": {"w_max": 16, "checkpoint_min_gap": 0}, "controller": {"enabled": False}})
+    serve.run(app, name="dasc", route_prefix="/")
+    _wait_ready(cluster)
+    c = OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, timeout=180)
+    prompt = _prompt(300, 240)
+    cold = c.completions.create(model="kda-tiny", prompt=prompt, max_tokens=8, temperature=0)
+    lossy = c.completions.create(model="kda-tiny", prompt=prompt, max_tokens=8, temperature=0)
+    exact = [c.completions.create(model="kda-tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"cache_lossless": True}) for _ in range(3)]
+    details = lambda r: r.usage.prompt_tokens_details.model_dump()  # noqa: E731
+    assert details(cold)["compressed_checkpoint"] is False
+    assert details(lossy)["compressed_checkpoint"] is True and details(lossy)["cached_tokens"] > 0
+    for r in exact:
+        assert details(r)["compressed_checkpoint"] is False and r.choices[0].text == cold.choices[0].text
+    chat = [c.chat.completions.create(model="kda-tiny", messages=[{"role": "user", "content": prompt}],
+                                      max_tokens=4, temperature=0, extra_body=extra)
+            for extra in ({}, {}, {"cache_lossless": True})]
+    assert details(chat[1])["compressed_checkpoint"] is True
+    assert details(chat[2])["compressed_checkpoint"] is False
+    assert chat[2].choices[0].message.content == chat[0].choices[0].message.content
