@@ -15,6 +15,7 @@ import jinja2
 
 from app.api.errors import ApiError
 from app.api.schemas import CompletionRequest, field_path, unsupported_field
+from app.engine.grammar import for_tokenizer as grammars_for
 from app.engine.request import SamplingParams
 from app.models.tokenizer import Tokenizer
 
@@ -63,8 +64,27 @@ def chat_prompt(body, tok: Tokenizer, settings: ApiSettings, add_generation_prom
         raise ApiError(400, f"messages: {e}", param="messages") from e
 
 
+def guided_json(body, tok: Tokenizer) -> str | None:
+    """The schema text of `response_format` (None for text), compiled once here so that a schema the grammar
+    library cannot take is a 400 naming `response_format`; fields that could end the output elsewhere than
+    where the JSON value ends are 400s naming them."""
+    fmt = body.response_format
+    text = None if fmt is None else fmt.guided_json()
+    if text is None:
+        return None
+    for name in ("stop", "stop_token_ids", "ignore_eos", "min_tokens"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name}: cannot be combined with response_format {fmt.type} (it could end the "
+                           "output before the JSON value ends, or keep it going after)", param=name)
+    try:
+        grammars_for(tok).compile(text)
+    except ValueError as e:
+        raise ApiError(400, f"response_format: {e}", param="response_format") from e
+    return text
+
+
 def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, guided_json: str | None = None) -> SamplingParams:
     n_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
     echo = getattr(body, "echo", False)
     if n_tokens == 0 and not echo:
@@ -94,7 +114,8 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
                               stop_token_ids=stop_ids, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens,
-                              prompt_logprobs=prompt_logprobs, cache_lossless=body.cache_lossless)
+                              prompt_logprobs=prompt_logprobs, cache_lossless=body.cache_lossless,
+                              guided_json=guided_json)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
 

@@ -141,7 +141,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         limits.check_request(body, settings)
         prompts = limits.completion_prompts(body, tok, settings)
-        params = limits.sampling_params(body, body.max_tokens, settings, len(prompts), tok.vocab_size)
+        params = limits.sampling_params(body, body.max_tokens, settings, len(prompts), tok.vocab_size,
+                                        limits.guided_json(body, tok))
         for p in prompts:
             limits.check_prompt(p, settings, tok)
             _validate(backend, p, params)
@@ -174,7 +175,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         asked = body.max_completion_tokens or body.max_tokens
         if asked is None:  # chat's default, as vLLM's: the rest of the context (within the operator's limit)
             asked = max(1, min(settings.max_tokens_limit, backend.max_model_len - len(prompt)))
-        params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size)
+        params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size, limits.guided_json(body, tok))
         _validate(backend, prompt, params)
         rid = _request_id("chatcmpl", request)
         outputs = _start(backend, [prompt], params, settings, body.stream)

@@ -8,10 +8,13 @@ checked in the routes against `ApiSettings`; what is here holds for every deploy
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.engine.grammar import JSON_OBJECT
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (with room for seed + index)
 MAX_LOGPROBS = 20  # OpenAI's cap on top alternatives per token (app.engine.request.MAX_LOGPROBS)
@@ -39,8 +42,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
 # Unsupported fields whose value asks for nothing beyond the default (a client library filling every field):
 # accepted. Any other value is refused naming the field.
 NEUTRAL_VALUES = {"suffix": (None, ""), "tools": (None, []),
-                  "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
-                  "response_format": (None, {"type": "text"})}
+                  "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none")}
 
 
 def unsupported_field(extra: dict | None, n: int = 1) -> str | None:
@@ -61,6 +63,38 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`. The grammar is enforced whatever `strict` says."""
+
+    model_config = STRICT
+
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema.schema')
+        return self
+
+    def guided_json(self) -> str | None:
+        """The schema text the engine's grammar follows (`SamplingParams.guided_json`), or None for text."""
+        if self.type == "json_object":
+            return JSON_OBJECT
+        return None if self.type == "text" else json.dumps(self.json_schema.schema_)
 
 
 class _Request(BaseModel):
@@ -90,6 +124,8 @@ class _Request(BaseModel):
                                     "same salt (vLLM's field): one tenant's prompts do not hit another's cache")
     cache_lossless: bool = Field(default=False, description="extension: resume only from exact checkpoints, never "
                                  "from a compressed (dasc) one")
+    response_format: ResponseFormat | None = Field(default=None, description="json_object or json_schema: the "
+                                                   "output is JSON that follows it (docs/serving.md)")
 
     @field_validator("stop")
     @classmethod
@@ -182,8 +218,8 @@ class DetokenizeRequest(BaseModel):
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
-                  TokenizeRequest, DetokenizeRequest)
-FIELD_NAMES = frozenset(name for model in REQUEST_MODELS for name in model.model_fields)
+                  TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat)
+FIELD_NAMES = frozenset(f.alias or name for model in REQUEST_MODELS for name, f in model.model_fields.items())
 
 
 def field_path(loc: tuple) -> str:

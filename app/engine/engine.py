@@ -19,6 +19,8 @@ from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
+from app.engine.grammar import JsonGrammars
+from app.engine.grammar import for_tokenizer as grammars_for
 from app.engine.logits import needs_processing
 from app.engine.picks import collect_prompt_logprobs, greedy_tokens, output_logprobs, processed, sample
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
@@ -92,6 +94,14 @@ class Engine:
                              f"context length {self.max_model_len}")
         if len(prompt_ids) + params.max_tokens > self.cfg.kv_slots:
             raise ValueError(f"request needs more KV than the engine holds ({self.cfg.kv_slots} tokens)")
+        if params.guided_json is not None:  # compiled here, in the caller's thread, not in a step
+            self.grammars.compile(params.guided_json)
+
+    @property
+    def grammars(self) -> JsonGrammars:
+        """Structured output's compiled grammars over this engine's tokenizer and logits width (shared; made at
+        the first request with a grammar)."""
+        return grammars_for(self.tokenizer, self.model.config.vocab_size)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request; raises ValueError for inputs the engine cannot serve. Atomic: everything that can
@@ -157,7 +167,8 @@ class Engine:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
         picked, raw = self.run_works(works)
-        logits = processed(works, raw, self.tokenizer.stop_token_ids)
+        guided = any(w.seq.params.guided_json is not None for w in works)
+        logits = processed(works, raw, self.tokenizer.stop_token_ids, self.grammars if guided else None)
         picked.update(greedy_tokens(works, logits))
         picked.update(sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
         logprobs = output_logprobs([w.seq for w in works if id(w.seq) in picked and w.seq.params.logprobs is not None],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from app.engine.grammar import JsonGrammars
 from app.engine.logits import needs_processing, process
 from app.engine.request import Sequence
 from app.engine.sampling import sample_rows
@@ -13,13 +14,14 @@ from app.engine.scheduler import Work
 from app.engine.worker import split_logits
 
 
-def processed(works: list[Work], logits: dict[int, torch.Tensor], end_ids) -> dict[int, torch.Tensor]:
-    """`logits` with the rows of requests that ask for penalties, logit_bias or min_tokens processed; the others
-    as they are."""
+def processed(works: list[Work], logits: dict[int, torch.Tensor], end_ids,
+              grammars: JsonGrammars | None = None) -> dict[int, torch.Tensor]:
+    """`logits` with the rows of requests that ask for penalties, logit_bias, min_tokens or a JSON grammar
+    processed; the others as they are."""
     seqs = [w.seq for w in works if id(w.seq) in logits and needs_processing(w.seq.params)]
     if not seqs:
         return logits
-    rows = process(torch.stack([logits[id(s)] for s in seqs]), seqs, end_ids)
+    rows = process(torch.stack([logits[id(s)] for s in seqs]), seqs, end_ids, grammars)
     return {**logits, **{id(s): rows[i] for i, s in enumerate(seqs)}}
 
 

@@ -21,6 +21,7 @@ import torch
 from app.cache.radix import Node
 
 if TYPE_CHECKING:
+    from app.engine.grammar import GrammarState
     from app.models.tokenizer import IncrementalDecoder
 
 
@@ -60,6 +61,10 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs
     min_tokens: int = 0  # stop ids are masked, and stop strings not matched, before this many output tokens
+    # structured output: the JSON schema (its text) the output follows (app/engine/grammar.py); generation ends
+    # with an end token once the value is complete. No stop strings or ids, ignore_eos or min_tokens with it:
+    # each could end (or refuse to end) the output elsewhere than where the value does.
+    guided_json: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -96,6 +101,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.guided_json is not None:
+            for name in ("stop", "stop_token_ids", "ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be combined with a JSON grammar (response_format)")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer), got {self.seed}")
 
@@ -150,6 +159,7 @@ class Sequence:
     compressed_hit: bool = False  # resumed from a lossy (dasc or INT8) checkpoint, or forked from one that did
     # prompt_logprobs: the entries of prompt tokens 1..prompt_lp_upto so far (token 0 has none)
     prompt_lps: list = field(default_factory=list)
+    grammar: GrammarState | None = None  # guided_json: made at the first constrained row, follows output_ids
 
     @property
     def prompt_lp_upto(self) -> int:

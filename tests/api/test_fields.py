@@ -34,7 +34,6 @@ async def _post(app, path: str, body: dict, headers: dict | None = None):
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}),
     ("best_of", 3),
     ("suffix", "end"),
     ("guided_json", {"type": "object"}),

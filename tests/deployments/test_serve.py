@@ -19,8 +19,10 @@ import random
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import ray
@@ -183,6 +185,36 @@ def test_logprobs_through_serve_are_the_models(server):
         rows = torch.log_softmax(model.forward_train(torch.tensor([p]))[0].float(), -1)
     for j in range(len(p) - 1):  # row j: prompt token j + 1
         assert abs(echoed.token_logprobs[j + 1] - rows[j, p[j + 1]].item()) < 1e-4
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def test_json_schema_outputs_that_stop_parse_and_validate(server):
+    """20 json_schema chat requests at temperature 1, concurrently across both replicas: every output that
+    ends with "stop" parses and validates; the bounded strings and arrays let the tiny model end most of them
+    within max_tokens (an output cut there says "length")."""
+    c = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def ask(seed: int):
+        r = c.chat.completions.create(model="kda-tiny", messages=[{"role": "user", "content": f"Person {seed}?"}],
+                                      max_tokens=48, temperature=1.0, seed=seed, response_format=fmt)
+        return r.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(ask, range(20)))
+    stopped = 0
+    for choice in choices:
+        assert choice.finish_reason in ("stop", "length")
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+            stopped += 1
+    assert stopped >= 10, [ch.message.content for ch in choices]
 
 
 def test_a_request_with_several_prompts_is_answered(server):
