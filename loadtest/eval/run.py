@@ -47,7 +47,7 @@ RESULTS = REPO / "loadtest" / "results" / "eval"  # beside, not among, the bench
 LOGS = RESULTS / "logs"
 
 
-def reference(model: str, url: str | None, limit: int | None, out: str | None) -> bool:
+def reference(model: str, url: str | None, limit: int | None, out: str | None, threads: int) -> bool:
     model_dir = resolve_model_dir(model)
     run = _start("eval_reference", {"model": model, "tasks": REFERENCE_TASKS, "limit": limit, "url": url})
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def reference(model: str, url: str | None, limit: int | None, out: str | None) -
     if url:
         api = evaluate("local-completions", api_args(url, model, model_dir), REFERENCE_TASKS, limit)
     else:
-        with local_server(model, {}, LOGS / "reference.log") as served:
+        with local_server(model, {}, LOGS / "reference.log", threads=threads) as served:
             api = evaluate("local-completions", api_args(served, model, model_dir), REFERENCE_TASKS, limit)
     rows, results, ok = [], {}, True
     for task in REFERENCE_TASKS:
@@ -76,19 +76,21 @@ def reference(model: str, url: str | None, limit: int | None, out: str | None) -
     return ok
 
 
-def fidelity(model: str, names: list[str], limit: int | None, out: str | None, concurrent: int) -> None:
+def fidelity(model: str, names: list[str], limit: int | None, out: str | None, concurrent: int,
+             threads: int) -> None:
     model_dir = resolve_model_dir(model)
     tok = Tokenizer.from_dir(model_dir)
     prompts = tok.encode_batch(drift.copy_prompts(limit))
     run = _start("eval_fidelity", {"model": model, "tasks": FIDELITY_TASKS, "limit": limit,
-                                      "settings": {n: SETTINGS[n] for n in names}, "num_concurrent": concurrent})
+                                      "settings": {n: SETTINGS[n] for n in names}, "num_concurrent": concurrent,
+                                      "server_threads": threads})
     per = {}
     for name in names:
         t0 = time.perf_counter()
-        with local_server(model, SETTINGS[name], LOGS / f"{name}.log") as url:
+        with local_server(model, SETTINGS[name], LOGS / f"{name}.log", threads=threads) as url:
             lm = evaluate("local-completions", api_args(url, model, model_dir, concurrent), FIDELITY_TASKS, limit)
             snap = engine_status(url)
-        with local_server(model, SETTINGS[name], LOGS / f"{name}-drift.log") as url:
+        with local_server(model, SETTINGS[name], LOGS / f"{name}-drift.log", threads=threads) as url:
             steps = drift.run(url, model, prompts)
         per[name] = {"lm": lm, "snapshot": snap, "drift": steps, "seconds": time.perf_counter() - t0}
         print(f"{name}: {json.dumps(lm['results'])} in {per[name]['seconds']:.0f} s", flush=True)
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, the first is the baseline")
     p.add_argument("--parts", default="reference,fidelity")
     p.add_argument("--concurrent", type=int, default=4, help="lm-eval's concurrent requests")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each server: more oversubscribe a "
+                   "small shared CPU, where OpenMP's waits made a 2-thread server many times slower")
     p.add_argument("--out", default=None, help="the doc to write the blocks into (docs/fidelity.md)")
     args = p.parse_args(argv)
     names = args.settings.split(",")
@@ -145,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     ok = True
     if "reference" in parts:
-        ok = reference(args.model, args.url, args.limit, args.out)
+        ok = reference(args.model, args.url, args.limit, args.out, args.threads)
     if "fidelity" in parts:
-        fidelity(args.model, names, args.limit, args.out, args.concurrent)
+        fidelity(args.model, names, args.limit, args.out, args.concurrent, args.threads)
     if not ok:
         print("reference agreement FAILED", file=sys.stderr)
     return 0 if ok else 1
