@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from app.api.errors import ApiError
-from app.api.schemas import CompletionRequest, field_path, unsupported_field
+from app.api.schemas import CompletionRequest, field_path, unsupported_field, unsupported_message_field
 from app.engine.grammar import for_tokenizer as grammars_for
 from app.engine.request import SamplingParams
 from app.models.tokenizer import Tokenizer
@@ -36,6 +36,8 @@ def check_request(body, settings: ApiSettings) -> None:
     `tools` or `logit_bias` must not get an answer made without them) and a model it does not serve (404, as
     OpenAI answers; a request naming no model gets the served one)."""
     name = unsupported_field(body.model_extra, getattr(body, "n", 1))
+    if name is None and getattr(body, "messages", None):
+        name = unsupported_message_field(body.messages)
     if name is not None:
         raise ApiError(400, f"{name}: not supported by this server", param=name)
     if body.model is not None and body.model != settings.model_name:

@@ -59,6 +59,31 @@ def unsupported_field(extra: dict | None, n: int = 1) -> str | None:
     return None
 
 
+# Inside a chat message: `name` is accepted and ignored (the zoo's chat template does not render it); an empty
+# `tool_calls` asks for nothing. Content parts are text only: an image or audio part would otherwise be dropped
+# from the prompt without a word.
+IGNORED_MESSAGE_FIELDS = frozenset({"name"})
+NEUTRAL_MESSAGE_VALUES: dict[str, tuple] = {"tool_calls": ([],)}
+
+
+def unsupported_message_field(messages: list) -> str | None:
+    """The path ("messages.2.tool_calls", "messages.0.content.1.type") of the first thing inside `messages` the
+    API does not support, or None: an undeclared field with a value other than null or a neutral one, or a
+    content part whose type is not "text"."""
+    for i, message in enumerate(messages):
+        for name, value in (message.model_extra or {}).items():
+            neutral = any(type(value) is type(v) and value == v for v in NEUTRAL_MESSAGE_VALUES.get(name, ()))
+            if value is not None and name not in IGNORED_MESSAGE_FIELDS and not neutral:
+                return f"messages.{i}.{name}"
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text":
+                return f"messages.{i}.content.{j}.type"
+            for name, value in (part.model_extra or {}).items():
+                if value is not None:
+                    return f"messages.{i}.content.{j}.{name}"
+    return None
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
@@ -163,14 +188,14 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = STRICT
+    model_config = TOP_LEVEL  # undeclared fields are refused by name (`unsupported_message_field`)
 
     type: Text
     text: Text | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = STRICT
+    model_config = TOP_LEVEL  # undeclared fields are refused by name (`unsupported_message_field`)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = ""

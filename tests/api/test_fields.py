@@ -66,6 +66,38 @@ async def test_fields_that_change_nothing_are_accepted(app, extra):
         assert r.status_code == 200, (path, r.text)
 
 
+MESSAGE_REFUSALS = [
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                         "function": {"name": "f", "arguments": "{}"}}]},
+     "messages.0.tool_calls"),
+    ({"role": "tool", "content": "42", "tool_call_id": "c"}, "messages.0.tool_call_id"),
+    ({"role": "user", "content": "hi", "audio": {"id": "a"}}, "messages.0.audio"),
+    ({"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+     "messages.0.content.1.type"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+     "messages.0.content.0.cache_control"),
+]
+
+
+@pytest.mark.parametrize(("message", "param"), MESSAGE_REFUSALS, ids=[p for _, p in MESSAGE_REFUSALS])
+async def test_what_a_message_carries_beyond_text_is_refused_by_its_path(app, message, param):
+    """An image part or a tool call would otherwise be dropped from the prompt without a word."""
+    for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {})):
+        r = await _post(app, path, {**body, "messages": [message]})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+async def test_message_fields_that_change_nothing_are_accepted(app):
+    messages = [{"role": "system", "content": "be brief", "name": "rules"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann", "refusal": None},
+                {"role": "assistant", "content": "hello", "tool_calls": [], "function_call": None},
+                {"role": "user", "content": "again"}]
+    r = await _post(app, "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert r.status_code == 200, r.text
+
+
 async def test_an_unknown_model_is_404_and_the_served_name_or_none_is_served(app):
     async with client(app) as http:
         oai = openai_client(http)
