@@ -3,9 +3,9 @@
 
 Why: dasc-nr zero-fills the units whose horizon is below W_max. Those units hold the last few tokens, so a hit
 that loads a checkpoint at `prompt_len - 1` and recomputes one token starts generation with them nearly empty.
-`EngineConfig.recompute_tail` (k) moves the prompt-end checkpoint of a lossy setting k tokens before the end and
-makes a lossy load leave at least k + 1 tokens to recompute with the full model, which rebuilds the short units.
-This script measures k against fidelity and cost.
+`EngineConfig.recompute_tail` (k = ceil(recompute_tail * W_max) tokens) moves the prompt-end checkpoint of a dasc
+setting k tokens before the end and makes a dasc load leave at least k + 1 tokens to recompute with the full
+model, which rebuilds the short units. This script measures k against fidelity and cost.
 
 Protocol, per model: held-out prompts (`app.calibrate.held_out_prompts`, the allowance's prompt set: prefixes of
 256, 640 and 1152 tokens), each a prefix plus `--suffix` new tokens (0: the same prompt again). Every arm is a
@@ -19,7 +19,7 @@ computed at each forced position:
   - KL(dense || arm) per token, mean and max;
   - hit rate (cached prompt tokens over prompt tokens) and the tokens recomputed per hit (the TTFT cost).
 Arms: dense checkpoints, then at each W_max and storage (fp32, INT8) nr with k in {0 (the old placement), 16,
-32, 64, W, 2W} and wr with k 0 (the paper's refresh, for reference). No interval or generation-end checkpoints.
+32, 64, W, 2W, 4W} and wr with k 0 (the paper's refresh, for reference). No interval or generation-end checkpoints.
 The figures are deterministic. Timing (`--timing-repeats`): the TTFT of one hit of a 640-token prompt served
 alone, nr fp32, per k; median of the repeats, and its ratio to k 0 and to a cold run, in the same run.
 
@@ -57,10 +57,14 @@ def arms(w_maxes) -> list[dict]:
     for w in w_maxes:
         for quant in ("none", "int8"):
             storage = "int8" if quant == "int8" else "fp32"
-            for k in sorted(set(FIXED_TAILS) | {w, 2 * w}):
+            for k in tails(w):
                 out.append({"name": f"nr-W{w}-{storage}-k{k}", "w_max": w, "policy": "nr", "quant": quant, "tail": k})
             out.append({"name": f"wr-W{w}-{storage}-k0", "w_max": w, "policy": "wr", "quant": quant, "tail": 0})
     return out
+
+
+def tails(w_max: int) -> list[int]:
+    return sorted(set(FIXED_TAILS) | {w_max, 2 * w_max, 4 * w_max})
 
 
 def engine_for(model, tok, arm: dict | None, n: int) -> Engine:
@@ -69,7 +73,8 @@ def engine_for(model, tok, arm: dict | None, n: int) -> Engine:
     if arm is None:
         return Engine(model, tok, EngineConfig(enable_cache=False, **common))
     return Engine(model, tok, EngineConfig(w_max=arm["w_max"], policy=arm["policy"], quant=arm["quant"],
-                                           recompute_tail=arm["tail"], checkpoint_slots=4 * n, **common))
+                                           recompute_tail=arm["tail"] / (arm["w_max"] or 1), checkpoint_slots=4 * n,
+                                           **common))
 
 
 class Forcing:
@@ -115,8 +120,7 @@ def measure(model, tok, arm: dict, prefixes, prompts, dense_lp, dense_tokens) ->
     before = engine.snapshot()
     lps, outs = forced_run(engine, prompts, dense_tokens)
     after = engine.snapshot()
-    lossy = arm["w_max"] is not None or arm["quant"] != "none"
-    want = [len(x) - 1 - (arm["tail"] if lossy else 0) for x in prefixes]
+    want = [max(0, len(x) - 1 - engine.cfg.tail) for x in prefixes]
     if [o.cached_tokens for o in outs] != want:
         raise RuntimeError(f"{arm['name']}: the hits did not resume from their prefixes' prompt-end checkpoints")
     first_miss, top1, kl = [], [], []
@@ -170,7 +174,8 @@ def main(argv=None) -> None:
     prefixes = [h.prefix for h in held]
     prompts = [h.prefix + h.suffix[: args.suffix] for h in held]
     config = {"model": args.model, "prompts": args.prompts, "prefix_tokens": sorted({len(x) for x in prefixes}),
-              "suffix": args.suffix, "greedy_tokens": GREEDY_TOKENS, "w_max": args.w_max, "fixed_tails": FIXED_TAILS,
+              "suffix": args.suffix, "greedy_tokens": GREEDY_TOKENS, "w_max": args.w_max,
+              "fixed_tails": FIXED_TAILS, "relative_tails": [1, 2, 4],
               "threads": args.threads, "timing_repeats": args.timing_repeats}
     print(json.dumps(config), flush=True)
     record = start_run("bench_placement", config, argv)
@@ -184,8 +189,7 @@ def main(argv=None) -> None:
     if args.timing_repeats:
         mid = next(h.prefix + h.suffix[: args.suffix] for h in held if len(h.prefix) == 640)
         for w in args.w_max:
-            tails = sorted(set(FIXED_TAILS) | {w, 2 * w})
-            timing.append({"w_max": w, "ttft_ms": ttft_row(model, tok, mid, w, tails, args.timing_repeats)})
+            timing.append({"w_max": w, "ttft_ms": ttft_row(model, tok, mid, w, tails(w), args.timing_repeats)})
             print(json.dumps(timing[-1]), flush=True)
     publish(record, f"{args.model}/suffix{args.suffix}", {"rows": rows, "timing": timing}, _markdown(rows, timing),
             args.out, "Checkpoint placement and recompute tail after a lossy load",

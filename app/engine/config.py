@@ -9,6 +9,7 @@ and docs agree by construction. docs/design.md, "Knobs", explains the choices.
 
 from __future__ import annotations
 
+import math
 import re
 import types
 import typing
@@ -73,8 +74,8 @@ class EngineConfig:
     layout: Layout = knob("ragged", "checkpoint slot layout of retained units")
     selector: str = knob("decay", "decay, or random:<seed> (count-matched random units, the paper's baseline)",
                          pattern=r"decay|random:.*")
-    recompute_tail: int = knob(0, "after a lossy checkpoint load, recompute at least this many prompt tokens before "
-                                  "the last one (prompt-end checkpoints sit that far before the end)", ge=0)
+    recompute_tail: float = knob(0.0, "dasc: after a checkpoint load, recompute at least this many times W_max prompt "
+                                      "tokens before the last one (prompt-end checkpoints sit that far back)", ge=0)
     store_generation_end: bool = knob(True, "checkpoint where generation ended, so a conversation's next turn hits")
     checkpoint_min_gap: int = knob(16, "skip a branch, generation-end or interval checkpoint fewer than this many "
                                        "tokens above the sequence's last one", ge=0)
@@ -93,9 +94,11 @@ class EngineConfig:
 
     @property
     def tail(self) -> int:
-        """Prompt tokens recomputed before the last one after a load: `recompute_tail` when checkpoints are lossy,
-        0 when they are exact (a dense hit answers as a cold run without any)."""
-        return 0 if self.checkpoint_settings.exact else self.recompute_tail
+        """Prompt tokens recomputed before the last one after a load (docs/dasc.md, "Where checkpoints sit"):
+        ceil(recompute_tail * W_max) under dasc, whose omitted units hold the last tokens' information and are
+        rebuilt by recomputing the tail; 0 for dense checkpoints (exact, or INT8 of every unit: a tail does not
+        restore long-horizon units)."""
+        return 0 if self.w_max is None else math.ceil(self.recompute_tail * self.w_max)
 
     @property
     def checkpoint_settings(self) -> CheckpointSettings:
