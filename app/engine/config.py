@@ -74,8 +74,9 @@ class EngineConfig:
     layout: Layout = knob("ragged", "checkpoint slot layout of retained units")
     selector: str = knob("decay", "decay, or random:<seed> (count-matched random units, the paper's baseline)",
                          pattern=r"decay|random:.*")
-    recompute_tail: float = knob(0.0, "dasc: after a checkpoint load, recompute at least this many times W_max prompt "
-                                      "tokens before the last one (prompt-end checkpoints sit that far back)", ge=0)
+    recompute_tail: float = knob(4.0, "dasc nr: after a checkpoint load, recompute at least this many times W_max "
+                                      "prompt tokens before the last one (prompt-end checkpoints sit that far back)",
+                                 ge=0)
     store_generation_end: bool = knob(True, "checkpoint where generation ended, so a conversation's next turn hits")
     checkpoint_min_gap: int = knob(16, "skip a branch, generation-end or interval checkpoint fewer than this many "
                                        "tokens above the sequence's last one", ge=0)
@@ -97,8 +98,8 @@ class EngineConfig:
         """Prompt tokens recomputed before the last one after a load (docs/dasc.md, "Where checkpoints sit"):
         ceil(recompute_tail * W_max) under dasc, whose omitted units hold the last tokens' information and are
         rebuilt by recomputing the tail; 0 for dense checkpoints (exact, or INT8 of every unit: a tail does not
-        restore long-horizon units)."""
-        return 0 if self.w_max is None else math.ceil(self.recompute_tail * self.w_max)
+        restore long-horizon units) and under wr, which refreshes the omitted units by its own bounded replay."""
+        return 0 if self.w_max is None or self.policy == "wr" else math.ceil(self.recompute_tail * self.w_max)
 
     @property
     def checkpoint_settings(self) -> CheckpointSettings:

@@ -200,16 +200,17 @@ class Scheduler:
         """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch points (where
         the KV match ends, and a stateless fork on the matched path; each unless the loaded checkpoint is
         fewer than `checkpoint_min_gap` tokens above it), the prompt end (admission permitting) and, for n > 1,
-        the fork point of the request's own samples."""
+        the fork point of the request's own samples. Under a recompute tail (`EngineConfig.tail`) the branch
+        and prompt-end checkpoints sit `tail` tokens earlier, where a later request's lossy load may use them."""
         cuts: dict[int, str] = {}
         prompt_end = seq.prompt_len - 1
         if self.cfg.enable_cache:
             if self.cfg.interval:
                 first = (seq.num_computed // self.cfg.interval + 1) * self.cfg.interval
                 cuts.update({p: "interval" for p in range(first, prompt_end + 1, self.cfg.interval)})
-            if match is not None:
-                for pos in (match.fork_len, match.kv_len):
-                    if pos and seq.num_computed + self.cfg.checkpoint_min_gap <= pos <= prompt_end:
+            if match is not None:  # under a tail, `tail` tokens before the branch: where a later request loads
+                for pos in (match.fork_len - self.cfg.tail, match.kv_len - self.cfg.tail):
+                    if pos > 0 and seq.num_computed + self.cfg.checkpoint_min_gap <= pos <= prompt_end:
                         cuts[pos] = "branch"
             salt = seq.params.cache_salt
             at = prompt_end - self.cfg.tail  # where a repeat of this prompt can load it (see `_admit`)

@@ -230,7 +230,8 @@ def lossy_app():
     from tests.helpers import load_zoo
 
     model, tok = load_zoo("kda-tiny")
-    local = LocalBackend(Engine(model, tok, EngineConfig(kv_slots=16384, checkpoint_budget_mb=16, w_max=16)))
+    config = EngineConfig(kv_slots=16384, checkpoint_budget_mb=16, w_max=16, recompute_tail=0)  # short prompts hit
+    local = LocalBackend(Engine(model, tok, config))
     yield build_api(local, SETTINGS)
     local.engine.shutdown()
 

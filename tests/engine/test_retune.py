@@ -70,7 +70,7 @@ def test_a_policy_change_keeps_the_checkpoints_and_takes_effect(zoo):
     (gdn-tiny's nr hit on this prompt gives other tokens); wr -> nr: the next hit replays nothing."""
     model, tok = zoo
     prompt = tok.encode(PROMPT)
-    engine = Engine(model, tok, EngineConfig(checkpoint_slots=8, w_max=64, policy="nr"))
+    engine = Engine(model, tok, EngineConfig(checkpoint_slots=8, w_max=64, policy="nr", recompute_tail=0))
     cold = _serve(engine, prompt)
     nr_hit = _serve(engine, prompt)
     assert nr_hit.cached_tokens == len(prompt) - 1 and nr_hit.output_ids != cold.output_ids

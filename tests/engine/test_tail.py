@@ -46,6 +46,22 @@ def test_a_lossy_hit_recomputes_the_tail(kda):
     engine.check_integrity()
 
 
+def test_branch_checkpoints_sit_a_tail_before_the_branch(kda):
+    """A shared header, then suffixes. The first two requests' long suffixes put their prompt-end checkpoints
+    past the header, so the second finds no checkpoint on its path and misses; it stores its branch checkpoint
+    `tail` tokens before the branch (the header's end). The third, with a short suffix, loads it and still
+    recomputes a whole tail; a checkpoint at the branch itself would be too close to its end to use."""
+    model, tok = kda
+    header, one, two, short = _prompts(tok, 4, 100)
+    engine = Engine(model, tok, EngineConfig(checkpoint_slots=8, w_max=16, recompute_tail=2, checkpoint_min_gap=0))
+    tail = engine.cfg.tail
+    outs = [engine.generate([header + s], GREEDY)[0][0] for s in (one, two, short[:8])]
+    assert outs[1].cached_tokens == 0
+    assert outs[2].compressed_hit and outs[2].cached_tokens == len(header) - tail
+    assert engine.snapshot()["checkpoint_stores_by_kind"]["branch"] >= 1
+    engine.check_integrity()
+
+
 def test_dense_checkpoints_are_loaded_where_they_were(kda):
     """An exact checkpoint needs no tail: the knob is ignored, the repeat recomputes one token and answers as a cold
     run."""

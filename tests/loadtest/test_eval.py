@@ -102,18 +102,19 @@ def test_compare_steps_stops_after_the_first_different_token():
 
 
 def test_the_direct_api_client_sees_compressed_resumes_on_a_local_server(tmp_path: Path):
-    """Three prompts sharing a header, one after another: the second stores a checkpoint at the branch point
-    and the third resumes from it; with W_max 16 that checkpoint is compressed, the response says so and the
-    engine counts it. Also exercises `python -m app.api.local --engine`."""
+    """Three prompts sharing a header, one after another, at W_max 16: the first stores its prompt-end checkpoint
+    a recompute tail (4 W_max) before its end, inside the shared header, so the others resume from compressed
+    checkpoints; the responses say so and the engine counts them. Also exercises `python -m app.api.local
+    --engine`."""
     docs = _docs("dasc_code_copy")[:3]
     ids = Tokenizer.from_dir(REPO / "app" / "models" / "zoo" / "kda-tiny").encode_batch(
         [drift.copy_prompt(d) for d in docs])
     with local_server("kda-tiny", {"w_max": 16, "checkpoint_min_gap": 0}, tmp_path / "server.log") as url:
         got = drift.run(url, "kda-tiny", ids, max_tokens=4, top=5)
         snap = engine_status(url)
-    assert [r["compressed"] for r in got] == [False, False, True]
-    assert got[2]["cached"] > 0 and all(len(r["steps"]) >= 1 for r in got)
+    assert [r["compressed"] for r in got] == [False, True, True]
+    assert got[1]["cached"] > 0 and got[2]["cached"] > 0 and all(len(r["steps"]) >= 1 for r in got)
     assert all(len(top) == 5 for r in got for _, top in r["steps"])
-    assert snap["sequences_admitted"] == 3 and snap["sequences_compressed_hit"] == 1
+    assert snap["sequences_admitted"] == 3 and snap["sequences_compressed_hit"] == 2
     summary = drift.summarize(got, got)
-    assert summary["compressed"] == 1 and summary["kl_mean"] == 0.0 and summary["greedy_agreement"] == 1.0
+    assert summary["compressed"] == 2 and summary["kl_mean"] == 0.0 and summary["greedy_agreement"] == 1.0
