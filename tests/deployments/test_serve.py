@@ -235,11 +235,29 @@ def test_repeated_prefix_reports_cached_tokens(server):
     assert second.system_fingerprint == first.system_fingerprint  # the router kept the prefix's replica
 
 
+def _wait_telemetry_settled(url: str, quiet_s: float = 2.0) -> None:
+    """Wait until every replica's pushed prompt-token total has stayed the same for `quiet_s` seconds (several
+    telemetry windows): what earlier requests did has then been reported."""
+    def totals() -> dict:
+        return {k: v.get("prompt_tokens") for k, v in _replicas(url).items()}
+
+    state = {"seen": totals(), "since": time.monotonic()}
+
+    def quiet() -> bool:
+        now = totals()
+        if now != state["seen"]:
+            state["seen"], state["since"] = now, time.monotonic()
+        return time.monotonic() - state["since"] >= quiet_s
+
+    _wait_for(quiet, "the replicas' telemetry settles", timeout=120)
+
+
 def test_metrics_expose_hit_rate_slots_and_ttft(server):
     """Our own names and vLLM's under `dasc:`, the latter labelled by model and serving replica: the ingress
     counts the request's tokens and latencies as its outputs pass, the replicas' telemetry brings its prefix
     cache queries and hits (per-replica series; the differences across this request are checked)."""
     c = _client(server)
+    _wait_telemetry_settled(server)  # earlier tests' tokens reach the counters before `before`, not after
     before = metric_samples(_get(f"{server}/metrics").text)
     r = c.completions.create(model="kda-tiny", prompt=_prompt(2), max_tokens=2, temperature=0, extra_body={
         "ignore_eos": True})
