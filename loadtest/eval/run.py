@@ -105,6 +105,7 @@ def fidelity(model: str, names: list[str], limit: int | None, out: str | None, c
         res["compressed_share"] = snap["sequences_compressed_hit"] / admitted
         res["hit_share"] = snap["sequences_hit"] / admitted
         res["drift"] = drift.summarize(base["drift"], per[name]["drift"])
+        res["seconds"] = round(per[name]["seconds"], 1)
         results[name] = res
         d = res["drift"]
         rows.append([name, *[res[t]["exact_match"] for t in FIDELITY_TASKS],
@@ -113,9 +114,11 @@ def fidelity(model: str, names: list[str], limit: int | None, out: str | None, c
                      _num(d["greedy_agreement"])])
     body = table(["setting", "copy EM", "next EM", "copy = dense", "next = dense", "hit share", "compressed share",
                   "drift: compressed", "KL / token", "top-1 agree", "greedy = dense"], rows)
+    total = sum(per[n]["seconds"] for n in names)
     body += (f"\n\n{names[0]} is the baseline of the agreement columns. Shares are of the sequences the engine "
              "admitted during the lm-eval run; the drift columns cover the direct-API requests a compressed "
-             "checkpoint served (16 greedy tokens, top-20 logprobs).")
+             "checkpoint served (16 greedy tokens, top-20 logprobs). "
+             f"Wall time {total / 60:.0f} min for {len(names)} settings.")
     publish(run, model, results, body, out, "Answer fidelity under compression", title=f"{model}",
             directory=RESULTS)
 
