@@ -3,6 +3,7 @@ free loopback port, with the setting's engine knobs; stopped (the whole group) w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,12 +41,17 @@ def local_server(model: str, engine: dict, log: Path, timeout_s: float = 180.0, 
         _wait_healthy(url, proc, timeout_s, log)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        _signal_group(proc.pid, signal.SIGTERM)  # the group may be gone already (a server that failed to start)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
