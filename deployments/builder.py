@@ -45,9 +45,36 @@ def _engine_args() -> type[BaseModel]:
     allowed values), default, lower bound and doc as description."""
     fields = {k.name: (k.type, Field(k.default, description=k.doc, ge=k.ge)) for k in KNOBS.values()}
     validators = {"_check_knob": field_validator(*KNOBS)(_check_knob),
+                  "_speculative": model_validator(mode="before")(_speculative_block),
                   "_check_config": model_validator(mode="after")(_check_config)}
     return create_model("EngineArgs", __base__=_Strict, __doc__=_ENGINE_ARGS_DOC, __validators__=validators,
                         **fields)
+
+
+# `engine.speculative: {method: ngram, num_tokens: 4, ...}`: the spec_* knobs as one block
+SPECULATIVE_KEYS = {"method": "spec", "num_tokens": "spec_tokens", "rollback": "spec_rollback",
+                    "ngram_max": "spec_ngram_max", "ngram_min": "spec_ngram_min", "draft_cost": "spec_draft_cost"}
+
+
+def _speculative_block(cls, data):
+    """Spread an `engine.speculative` block onto the flat spec_* knobs (each then checked as a knob)."""
+    if not isinstance(data, dict) or "speculative" not in data:
+        return data
+    data = dict(data)
+    block = data.pop("speculative")
+    if block is None:
+        return data
+    if not isinstance(block, dict):
+        raise ValueError("speculative must be a mapping: {method: ngram, num_tokens: 4, ...}")
+    unknown = sorted(set(block) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative has unknown keys {unknown}; known: {sorted(SPECULATIVE_KEYS)}")
+    for key, value in block.items():
+        knob = SPECULATIVE_KEYS[key]
+        if knob in data:
+            raise ValueError(f"speculative.{key} and {knob} are the same knob: set one")
+        data[knob] = "off" if key == "method" and value is False else value  # YAML 1.1 reads `off` as false
+    return data
 
 
 def _check_knob(cls, value, info: ValidationInfo):

@@ -34,7 +34,10 @@ VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 LABELS = ("model_name", "engine")
 LOCAL = "local"  # the engine label of outputs no replica named (the local backend)
 # snapshot running totals -> the vLLM counter each one feeds (in tokens, as vLLM v1 counts the prefix cache)
-SNAPSHOT_COUNTERS = {"prompt_tokens": "prefix_cache_queries", "cached_tokens": "prefix_cache_hits"}
+SNAPSHOT_COUNTERS = {"prompt_tokens": "prefix_cache_queries", "cached_tokens": "prefix_cache_hits",
+                     "spec_verifies": "spec_decode_num_drafts", "spec_drafted_tokens": "spec_decode_num_draft_tokens",
+                     "spec_accepted_tokens": "spec_decode_num_accepted_tokens"}
+ACCEPTED_BUCKETS = tuple(float(a) for a in range(17))  # accepted drafts per verify piece: 0 .. MAX_SPEC_TOKENS
 ENGINE_GAUGES = {
     "hit_rate": "token-weighted prefix cache hit rate (cached prompt tokens / prompt tokens)",
     "checkpoint_slots": "checkpoint slots in the pool",
@@ -89,7 +92,18 @@ class ApiMetrics:
                                             "of queried tokens.", LABELS, registry=r)
         self.prefix_cache_hits = Counter("dasc:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                                          "tokens.", LABELS, registry=r)
-        self._totals: dict[str, dict[str, int]] = {}  # per replica ever seen: its last snapshot running totals
+        # speculative decoding (vLLM v1's names): verify pieces, drafts verified, drafts accepted; and the
+        # distribution of accepted drafts per verify piece
+        self.spec_decode_num_drafts = Counter("dasc:spec_decode_num_drafts", "Number of verified draft sequences.",
+                                              LABELS, registry=r)
+        self.spec_decode_num_draft_tokens = Counter("dasc:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                                    LABELS, registry=r)
+        self.spec_decode_num_accepted_tokens = Counter("dasc:spec_decode_num_accepted_tokens", "Number of accepted "
+                                                       "draft tokens.", LABELS, registry=r)
+        self.spec_decode_acceptance_length = Histogram("dasc:spec_decode_acceptance_length", "Accepted draft tokens "
+                                                       "per verified draft sequence.", LABELS,
+                                                       buckets=ACCEPTED_BUCKETS, registry=r)
+        self._totals: dict[str, dict] = {}  # per replica ever seen: its last snapshot running totals
 
     def meter(self, n: int) -> GenerationMeter:
         """A meter for one generation of `n` sequences, started now."""
@@ -130,6 +144,14 @@ class ApiMetrics:
             before = last.get(key, 0)
             getattr(self, name).labels(self.model_name, replica).inc(total - before if total >= before else total)
             last[key] = total
+        hist = snap.get("spec_accepted_per_verify")
+        if isinstance(hist, dict):
+            before = last.get("spec_accepted_per_verify", {})
+            restarted = any(n < before.get(a, 0) for a, n in hist.items())
+            for a, n in hist.items():
+                for _ in range(n if restarted else n - before.get(a, 0)):
+                    self.spec_decode_acceptance_length.labels(self.model_name, replica).observe(int(a))
+            last["spec_accepted_per_verify"] = dict(hist)
 
 
 def _remove(gauge: Gauge, *labels: str) -> None:

@@ -107,7 +107,9 @@ class PagedKV:
         store.index_copy_(0, write, entries.to(store.dtype))
         return store.index_select(0, full)
 
-    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor,
+                      counts: list[int] | None = None) -> torch.Tensor:
+        """(`counts` needs no use here: each sequence's new slots say how many entries it writes.)"""
         key = ("padded", *seqs)
         if key not in self._index:
             rows = [[self.history[s], self.new[s]] for s in seqs]

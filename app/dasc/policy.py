@@ -65,7 +65,8 @@ class ReadOnlyKV:
     def extend(self, layer: int, seq: int, entries: torch.Tensor) -> torch.Tensor:
         return self.storage[layer][self.slots[seq]]
 
-    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor,
+                      counts: list[int] | None = None) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence([self.storage[layer][self.slots[s]] for s in seqs], batch_first=True)
 
 

@@ -26,6 +26,9 @@ Policy = Literal[POLICIES]
 Quant = Literal[QUANTS]
 Layout = Literal[LAYOUTS]
 Dtype = Literal["float32", "bfloat16"]
+SpecMethod = Literal["off", "ngram"]
+SpecRollback = Literal["replay", "snapshot"]
+MAX_SPEC_TOKENS = 16  # a verify piece (1 + drafts) stays inside one chunk of the recurrent layers' chunked form
 
 
 def knob(default: Any, doc: str, *, ge: float | None = None, pattern: str | None = None,
@@ -86,12 +89,26 @@ class EngineConfig:
     decode_graphs: bool = knob(False, "replay pure decode steps from captured CUDA graphs (app/engine/graphs.py)")
     compile_decode: bool = knob(False, "run pure decode steps through torch.compile, compiled when the worker "
                                        "starts")
+    spec: SpecMethod = knob("off", "speculative decoding: off, or ngram (prompt lookup: drafts from the sequence's "
+                                   "own earlier tokens)", flag="--spec")
+    spec_tokens: int = knob(4, "most draft tokens a sequence verifies per step (adaptive below it, 1..16)", ge=1,
+                            flag="--spec-tokens")
+    spec_rollback: SpecRollback = knob("replay", "how a verify step's recurrent state returns to the last accepted "
+                                                 "token: replay its kept inputs, or snapshot every position")
+    spec_ngram_max: int = knob(4, "prompt lookup: longest suffix n-gram matched", ge=1)
+    spec_ngram_min: int = knob(2, "prompt lookup: shortest suffix n-gram matched", ge=1)
+    spec_draft_cost: float = knob(0.1, "adaptive depth: a verified draft token's cost, in decode steps", ge=0)
 
     def __post_init__(self) -> None:
         for k in KNOBS.values():
             k.check(getattr(self, k.name))
         if self.checkpoint_slots is None and (self.checkpoint_budget_mb is None or self.checkpoint_budget_mb < 0):
             raise ValueError("checkpoint_budget_mb must be >= 0 unless checkpoint_slots is set")
+        if self.spec_tokens > MAX_SPEC_TOKENS:
+            raise ValueError(f"spec_tokens must be <= {MAX_SPEC_TOKENS}, got {self.spec_tokens}")
+        if self.spec_ngram_min > self.spec_ngram_max:
+            raise ValueError(f"spec_ngram_min ({self.spec_ngram_min}) must be <= spec_ngram_max "
+                             f"({self.spec_ngram_max})")
 
     @property
     def tail(self) -> int:

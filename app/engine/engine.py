@@ -22,9 +22,10 @@ from app.engine.config import EngineConfig
 from app.engine.grammar import JsonGrammars
 from app.engine.grammar import for_tokenizer as grammars_for
 from app.engine.logits import needs_processing
-from app.engine.picks import collect_prompt_logprobs, greedy_tokens, output_logprobs, processed, sample
+from app.engine.picks import collect_prompt_logprobs, greedy_tokens, output_logprobs, processed, row_logprobs, sample
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.scheduler import Scheduler, Work
+from app.engine.speculative import NgramDrafter, accept
 from app.engine.step_batch import StepBatch
 from app.engine.telemetry import Telemetry
 from app.engine.worker import Worker
@@ -41,6 +42,7 @@ class Engine:
         self.worker = worker or Worker(model, cfg, codec)
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg))
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
+        self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
         self.telemetry = Telemetry()
         self.max_model_len = cfg.max_model_len or _model_len(model)
         self._ids = itertools.count()
@@ -168,15 +170,20 @@ class Engine:
                 w.seq.counted = True
         picked, raw = self.run_works(works)
         guided = any(w.seq.params.guided_json is not None for w in works)
-        logits = processed(works, raw, self.tokenizer.stop_token_ids, self.grammars if guided else None)
-        picked.update(greedy_tokens(works, logits))
-        picked.update(sample([w.seq for w in works if id(w.seq) in logits and id(w.seq) not in picked], logits))
-        logprobs = output_logprobs([w.seq for w in works if id(w.seq) in picked and w.seq.params.logprobs is not None],
-                             raw, picked)
+        verified = self._verify([w for w in works if w.draft], picked, raw, guided)
+        plain = [w for w in works if not w.draft]
+        logits = processed(plain, raw, self.tokenizer.stop_token_ids, self.grammars if guided else None)
+        picked.update(greedy_tokens(plain, logits))
+        picked.update(sample([w.seq for w in plain if id(w.seq) in logits and id(w.seq) not in picked], logits))
+        logprobs = output_logprobs([w.seq for w in plain if id(w.seq) in picked and w.seq.params.logprobs is not None],
+                                   raw, picked)
         self.telemetry.steps += 1
         outputs = []
         for w in works:
             seq = w.seq
+            if w.draft:
+                outputs.append(self._settle_verified(w, *verified[id(seq)]))
+                continue
             seq.num_computed = w.end
             seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
             self._checkpoint_after(seq, w.start)
@@ -191,16 +198,19 @@ class Engine:
 
     def _checkpoint_after(self, seq: Sequence, start: int) -> None:
         """Store the checkpoints of the cuts this step passed: inside the piece from the worker's snapshots,
-        at its end from the state itself; and aligned decode intervals."""
+        at its end from the state itself; and the last aligned decode interval the piece reached (a verify
+        piece can pass one inside: its state there comes from the piece's rollback record)."""
         end = seq.num_computed
         for pos in sorted(p for p in seq.cuts if start < p <= end):
             kind, at = seq.cuts.pop(pos), None if pos == end else pos - start
             self._store(seq, pos, kind, snapshot_at=at)
             if kind == "fork":
                 self.scheduler.hold_fork(seq, pos, at)
-        if (self.cfg.enable_cache and self.cfg.interval and end % self.cfg.interval == 0 and end >= seq.prompt_len
-                and seq.num_shared < end and not self._checkpoint_close_behind(seq)):
-            self._store(seq, end, "interval")
+        if self.cfg.enable_cache and self.cfg.interval:
+            pos = end - end % self.cfg.interval
+            if (start < pos and pos >= seq.prompt_len and seq.num_shared < pos
+                    and not self._checkpoint_close_behind(seq, pos)):
+                self._store(seq, pos, "interval", snapshot_at=None if pos == end else pos - start)
 
     def _store(self, seq: Sequence, pos: int, kind: str, snapshot_at: int | None = None) -> None:
         """Insert the sequence's KV up to `pos` into the tree and store a checkpoint there: its current state,
@@ -217,15 +227,16 @@ class Engine:
             self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store_snapshot(slot, snapshot_at, ckpt),
                                         kind)
 
-    def _checkpoint_close_behind(self, seq: Sequence) -> bool:
+    def _checkpoint_close_behind(self, seq: Sequence, pos: int | None = None) -> bool:
         """Whether the sequence's deepest tree node holds a checkpoint fewer than `checkpoint_min_gap` tokens
         behind its end: then a generation-end or decode-interval checkpoint would nearly duplicate it (a
         one-token answer would store two almost equal states per request; a prompt ending just before an
         interval position, two within one token) and a later request replays those few tokens instead."""
+        pos = seq.num_computed if pos is None else pos
         return (seq.node is not None and seq.node.checkpoint is not None
-                and seq.num_computed - seq.num_shared < self.cfg.checkpoint_min_gap)
+                and pos - seq.num_shared < self.cfg.checkpoint_min_gap)
 
-    def _append_token(self, seq: Sequence, token: int, logprobs=None) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprobs=None, finish: bool = True) -> RequestOutput:
         """Record a sampled token and decide whether the sequence is done. Text grows incrementally (the
         token's bytes through the sequence's UTF-8 decoder), so each token costs the same however long the
         output already is; stop strings are searched only where a new match can start."""
@@ -256,7 +267,7 @@ class Engine:
             text = text[: len(text) - hold] if hold else text
         delta = text[len(seq.text):] if len(text) > len(seq.text) else ""
         seq.text += delta
-        if reason is not None:
+        if reason is not None and finish:  # (a verify piece finishes after its rollback: `_settle_verified`)
             self._finish(seq, reason, store=True)
         prompt_lps = None
         if len(seq.output_ids) == 1 and seq.index == 0 and p.prompt_logprobs is not None:
@@ -282,22 +293,73 @@ class Engine:
         """One forward for the step's pieces. For pieces that reach the end of their sequence's token stream:
         greedy picks made beside the logits (unless `keep_logits`, or the request wants logprobs), and next-token
         logits for the others, both keyed by id(seq)."""
-        want = [i for i, w in enumerate(works) if w.end == w.seq.num_tokens and w.seq.params.max_tokens > 0]
+        want = [i for i, w in enumerate(works)
+                if (w.draft or w.end == w.seq.num_tokens) and w.seq.params.max_tokens > 0]
         every = tuple(i for i, w in enumerate(works)
                       if w.seq.params.prompt_logprobs is not None and w.start + 1 < w.seq.prompt_len)
         greedy = tuple(works[i].seq.params.temperature <= 0 and works[i].seq.params.logprobs is None
                        and not needs_processing(works[i].seq.params) and not self.keep_logits for i in want)
         snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
-        batch = StepBatch([t for w in works for t in w.seq.token_range(w.start, w.end)],
+        verify = tuple(i for i, w in enumerate(works) if w.draft)
+        batch = StepBatch([t for w in works for t in (w.seq.token_range(w.start, w.end) if not w.draft else
+                                                      w.seq.token_range(w.start, w.start + 1) + list(w.draft))],
                           tuple(w.end - w.start for w in works), tuple(w.start for w in works),
                           [w.seq.kv_slots for w in works], [w.new_slots for w in works],
-                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy, every)
+                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy, every,
+                          verify)
         tokens, logits = self.worker.run(batch)
         for i in every:
             collect_prompt_logprobs(works[i], self.worker.piece_logits[i])
-        keys = [id(works[i].seq) for i in want]
-        return (dict(zip([k for k, g in zip(keys, greedy) if g], tokens)),
-                dict(zip([k for k, g in zip(keys, greedy) if not g], logits)))
+        picked, raw, t, r = {}, {}, 0, 0
+        for i, g in zip(want, greedy):  # a verify piece's rows come back together: a list of picks, or [n, V]
+            seq, n = works[i].seq, (works[i].end - works[i].start if works[i].draft else 0)
+            if g:
+                picked[id(seq)] = tokens[t : t + n] if n else tokens[t]
+                t += max(n, 1)
+            else:
+                raw[id(seq)] = logits[r : r + n] if n else logits[r]
+                r += max(n, 1)
+        return picked, raw
+
+    def _verify(self, works: list[Work], picked: dict, raw: dict, guided: bool) -> dict[int, tuple]:
+        """The tokens each verify piece emits (its accepted drafts and one more: `speculative.accept`), appended
+        to its sequence with their logprobs, each sequence's finishing deferred; then every verify piece's state
+        rolled back to its last computed token in one worker call. -> id(seq): (outputs, emitted, reason)."""
+        done, keep = {}, {}
+        for w in works:
+            seq = w.seq
+            rows = picked.get(id(seq), raw.get(id(seq)))
+            tokens = accept(seq, w.draft, rows, self.tokenizer.stop_token_ids, self.grammars if guided else None)
+            self.telemetry.on_verify(len(w.draft), len(tokens) - 1)
+            NgramDrafter.record(seq, len(w.draft), len(tokens) - 1)
+            lps = None
+            if seq.params.logprobs is not None:
+                lps = row_logprobs(raw[id(seq)][: len(tokens)], tokens, seq.params.logprobs)
+            outs = []
+            for j, tok in enumerate(tokens):
+                outs.append(self._append_token(seq, tok, None if lps is None else lps[j], finish=False))
+                if outs[-1].finished:
+                    break
+            done[id(seq)] = outs
+            keep[seq.state_slot] = len(outs)  # the emitted tokens but the last are computed: x0 + accepted drafts
+        self.worker.rollback(keep)
+        return {k: (outs, len(outs), outs[-1].finish_reason) for k, outs in done.items()}
+
+    def _settle_verified(self, w: Work, outs: list[RequestOutput], emitted: int, reason: str | None) -> RequestOutput:
+        """A verify piece after its rollback: its first `emitted` KV slots stay and the rejected drafts' go back,
+        checkpoints it passed are stored, the sequence finishes if it ended; its outputs merge into one."""
+        seq = w.seq
+        self.cache.free_kv(w.new_slots[emitted:])
+        seq.num_computed = w.start + emitted
+        seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots[:emitted]])
+        self._checkpoint_after(seq, w.start)
+        if reason is not None:
+            self._finish(seq, reason, store=True)
+        first, last = outs[0], outs[-1]
+        lps = [lp for o in outs for lp in (o.new_logprobs or ())]
+        return replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+                       new_text="".join(o.new_text for o in outs), new_logprobs=lps or None,
+                       prompt_logprobs=first.prompt_logprobs, ttft_s=first.ttft_s)
 
     def _refresh_loaded(self, seqs: list[Sequence]) -> None:
         """wr: refresh the omitted units of the checkpoints loaded this step, in one batched replay."""

@@ -126,10 +126,16 @@ class GrammarState:
         self.consumed: list[int] = []
 
     def sync(self, output_ids: Seq[int]) -> None:
-        """Accept the tokens of `output_ids` not consumed yet; start over if it does not extend `consumed`."""
-        n = len(self.consumed)
-        if len(output_ids) < n or list(output_ids[:n]) != self.consumed:
-            self._matcher, self.consumed, n = self._xgr.GrammarMatcher(self._compiled), [], 0
+        """Accept the tokens of `output_ids` not consumed yet, after rolling back the consumed ones past their
+        common prefix (speculative decoding walks the matcher along drafts, then back to what was accepted)."""
+        n = 0
+        for a, b in zip(self.consumed, output_ids):
+            if a != b:
+                break
+            n += 1
+        if n < len(self.consumed):
+            self._matcher.rollback(len(self.consumed) - n)
+            del self.consumed[n:]
         for token in output_ids[n:]:
             if not self._matcher.accept_token(token):
                 raise ValueError(f"token {token} is outside the grammar")

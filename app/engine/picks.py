@@ -59,15 +59,19 @@ def collect_prompt_logprobs(work: Work, rows: torch.Tensor) -> None:
 
 
 def output_logprobs(seqs: list[Sequence], logits: dict[int, torch.Tensor],
-              picked: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+                    picked: dict[int, int]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
     """(log-probability of the picked token, top `logprobs` (id, log-probability) pairs) per sequence, keyed by
     id(seq): log_softmax of the raw logits in float32, whatever sampling did to pick."""
     if not seqs:
         return {}
-    lp = torch.log_softmax(torch.stack([logits[id(s)] for s in seqs]).float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([[picked[id(s)]] for s in seqs], device=lp.device))[:, 0].tolist()
-    k = max(s.params.logprobs for s in seqs)
+    entries = row_logprobs(torch.stack([logits[id(s)] for s in seqs]), [picked[id(s)] for s in seqs],
+                           max(s.params.logprobs for s in seqs))
+    return {id(s): (c, top[: s.params.logprobs]) for s, (c, top) in zip(seqs, entries)}
+
+
+def row_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of raw logits [n, V]: (log-probability of its token, its top k (id, log-probability) pairs)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[t] for t in tokens], device=lp.device))[:, 0].tolist()
     top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    return {id(s): (chosen[r], list(zip(top_i[r][: s.params.logprobs], top_v[r][: s.params.logprobs])))
-            for r, s in enumerate(seqs)}
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_i.tolist(), top_v.tolist())]

@@ -160,6 +160,7 @@ class Sequence:
     # prompt_logprobs: the entries of prompt tokens 1..prompt_lp_upto so far (token 0 has none)
     prompt_lps: list = field(default_factory=list)
     grammar: GrammarState | None = None  # guided_json: made at the first constrained row, follows output_ids
+    spec: object | None = None  # speculative decoding: its n-gram index and acceptance (app/engine/speculative.py)
 
     @property
     def prompt_lp_upto(self) -> int:

@@ -21,12 +21,14 @@ from app.engine.request import ForkHold, Sequence, Status
 
 
 class Work(NamedTuple):
-    """seq feeds tokens[start:end] this step into `new_slots` [end - start]."""
+    """seq feeds tokens[start:end] this step into `new_slots` [end - start]; with `draft` (speculative
+    decoding), its last token and the drafts (end = start + 1 + len(draft)), to verify them."""
 
     seq: Sequence
     start: int
     end: int
     new_slots: torch.Tensor
+    draft: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -37,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.drafter = None  # speculative decoding: proposes drafts for decoding sequences (the engine sets it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -62,12 +65,17 @@ class Scheduler:
         budget = self.cfg.max_tokens_per_step
         decoding = [s for s in self.running if s.num_computed >= s.num_tokens - 1]
         prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
-        if decoding and len(decoding) <= budget:  # one token each: one allocation for all of them
-            slots = self.cache.alloc_kv(len(decoding))
+        if decoding and len(decoding) <= budget:  # one token each (and drafts): one allocation for all of them
+            drafts = self._drafts(decoding, budget)
+            sizes = [1 + len(d) for d in drafts]
+            slots = self.cache.alloc_kv(sum(sizes))
+            if slots is None and sum(sizes) > len(decoding):  # no room for drafts: plain decoding
+                drafts, sizes = [()] * len(decoding), [1] * len(decoding)
+                slots = self.cache.alloc_kv(len(decoding))
             if slots is not None:
-                works.extend(Work(seq, seq.num_computed, seq.num_computed + 1, one)
-                             for seq, one in zip(decoding, slots.split(1)))
-                budget -= len(decoding)
+                works.extend(Work(seq, seq.num_computed, seq.num_computed + n, piece, d)
+                             for seq, n, piece, d in zip(decoding, sizes, slots.split(sizes), drafts))
+                budget -= sum(sizes)
                 decoding = []
         for seq in decoding + prefilling:
             if budget <= 0:
@@ -94,6 +102,20 @@ class Scheduler:
                 break
             works.append(work)
             budget -= work.end - work.start
+
+    def _drafts(self, decoding: list[Sequence], budget: int) -> list[tuple[int, ...]]:
+        """Each decoding sequence's drafts: none beyond what its max_tokens leaves after the token it emits
+        anyway, and all of them within the step's token budget (in order, the later ones trimmed)."""
+        if self.drafter is None:
+            return [()] * len(decoding)
+        room = budget - len(decoding)
+        out = []
+        for seq in decoding:
+            limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+            d = self.drafter.propose(seq, limit) if limit > 0 else ()
+            room -= len(d)
+            out.append(d)
+        return out
 
     def _piece(self, seq: Sequence, budget: int, scheduled: list[Work]) -> Work | None:
         end = seq.next_end(min(budget, self.cfg.chunk_size))

@@ -14,7 +14,8 @@ class StepBatch:
     the sequences listed in `want_logits` (their last token), or only the argmax token for those `greedy`
     marks. States after `snapshots[i]` tokens of a piece are kept until the next run, for `store_snapshot`.
     `every_row` sequences (prompt logprobs) also get their piece's every position's logits, kept by the worker
-    in `piece_logits` until the next run."""
+    in `piece_logits` until the next run. A `verify` piece's rows all come back, in order, where its entry of
+    `want_logits` would."""
 
     token_ids: list[int]
     extend_lens: tuple[int, ...]
@@ -26,3 +27,6 @@ class StepBatch:
     snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets inside its piece to keep states at
     greedy: tuple[bool, ...] = ()  # per want_logits entry: only its argmax token is needed
     every_row: tuple[int, ...] = ()  # sequences whose logits at every position of the piece are wanted too
+    # speculative verify pieces (the last token and k >= 1 drafts): every row of theirs comes back in the want
+    # order (argmax tokens or logits, as `greedy` marks the piece), and their states wait for `Worker.rollback`
+    verify: tuple[int, ...] = ()

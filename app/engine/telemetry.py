@@ -38,6 +38,16 @@ class Telemetry:
         self.admitted = 0  # sequences, each counted once
         self.hits = 0  # of them, those that resumed from a checkpoint
         self.compressed_hits = 0  # of them, those that resumed from a lossy one (or forked from one that did)
+        self.spec_drafted = 0  # speculative decoding: draft tokens verified
+        self.spec_accepted = 0  # of them, accepted
+        self.spec_verifies = 0  # verify pieces
+        self.spec_accepted_hist: dict[int, int] = {}  # accepted drafts per verify piece -> pieces
+
+    def on_verify(self, drafted: int, accepted: int) -> None:
+        self.spec_drafted += drafted
+        self.spec_accepted += accepted
+        self.spec_verifies += 1
+        self.spec_accepted_hist[accepted] = self.spec_accepted_hist.get(accepted, 0) + 1
 
     def on_admit(self, seq: Sequence) -> None:
         """Count a sequence's prompt and hit once, at its first admission."""
@@ -94,6 +104,10 @@ class Telemetry:
             "steps": self.steps,
             "wr_replay_tokens": self.wr_replay_tokens,
             "wr_replay_s": self.wr_replay_s,
+            "spec_drafted_tokens": self.spec_drafted,
+            "spec_accepted_tokens": self.spec_accepted,
+            "spec_verifies": self.spec_verifies,
+            "spec_accepted_per_verify": dict(sorted(self.spec_accepted_hist.items())),
         }
 
 

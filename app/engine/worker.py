@@ -24,7 +24,7 @@ from app.dasc.tp_codec import PlacedDascCodec
 from app.engine.config import EngineConfig
 from app.engine.graphs import DecodeGraphs
 from app.engine.step_batch import StepBatch
-from app.models.batch import BatchLayout, host_to_device
+from app.models.batch import BatchLayout, LinearStates, host_to_device
 from app.models.hybrid import HybridForCausalLM
 from app.models.loader import cast_model
 
@@ -65,6 +65,9 @@ class Worker:
         self._allocate(cfg, codec)
         self.snapshots: dict[tuple[int, int], object] = {}
         self.piece_logits: dict[int, torch.Tensor] = {}  # every_row pieces of the last run: [n, V] fp32, host
+        # verify pieces of the last run, by state slot: per linear layer, what `rollback` rebuilds a state from
+        self.verifying: dict[int, list] = {}
+        self.spec_rollback = cfg.spec_rollback
 
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
         fixed = cfg.decode_graphs or cfg.compile_decode  # the padded decode step of app/engine/graphs.py
@@ -117,8 +120,39 @@ class Worker:
         self.states.zero(state_slot)
 
     def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
-        """Store the state the last run captured `offset` tokens into `state_slot`'s piece."""
-        self.codec.store(ckpt_slot, self.snapshots[(state_slot, offset)])
+        """Store the state the last run captured `offset` tokens into `state_slot`'s piece (or, for a verify
+        piece, the state its rollback record gives there)."""
+        state = self.snapshots.get((state_slot, offset))
+        self.codec.store(ckpt_slot, state if state is not None else self._verified_state(state_slot, offset))
+
+    def rollback(self, accepted: dict[int, int]) -> None:
+        """Speculative decoding: per state slot of a verify piece of the last run, the number of its tokens that
+        stay (1 <= n <= its length); the slot gets the state after them. Verify pieces not named keep the state
+        from before the piece (the request ended)."""
+        for slot, n in accepted.items():
+            self.states.write(slot, self._verified_state(slot, n))
+
+    def _verified_state(self, slot: int, n: int) -> LinearStates:
+        """The state after the first n tokens of the verify piece `slot` fed in the last run: replayed from the
+        state before it (`VerifyInputs.state_at`), or the snapshot the run kept there."""
+        records = self.verifying[slot]
+        if self.spec_rollback == "snapshot":
+            conv, ssm = zip(*(r[n - 1] for r in records))
+        else:
+            conv, ssm = zip(*(r.state_at(n) for r in records))
+        return LinearStates([c[None] for c in conv], [s[None] for s in ssm])
+
+    def rollback_bytes(self) -> int:
+        """Bytes the last run kept to roll its verify pieces back beyond their final states: the replay inputs,
+        or the snapshots at every position but the last."""
+        total = 0
+        for records in self.verifying.values():
+            for r in records:
+                if self.spec_rollback == "snapshot":
+                    total += sum(t.numel() * t.element_size() for st in r[:-1] for t in st)
+                else:
+                    total += r.replay_bytes()
+        return total
 
     def copy_state(self, src_slot: int, offset: int | None, dst_slot: int) -> None:
         """Fork: copy an active state into another slot, or the state the last run captured `offset` tokens
@@ -133,30 +167,48 @@ class Worker:
     def run(self, batch: StepBatch) -> tuple[list[int], torch.Tensor]:
         """Feed every piece; returns the argmax tokens of the `greedy` rows of `want_logits` and the fp32
         next-token logits of the others, on the host (see `split_logits`)."""
+        self.verifying = {}
         if self.graphs is not None and self.graphs.handles(batch):
             self.snapshots, self.piece_logits = {}, {}
             return split_logits(self.graphs.run(batch), batch.greedy)
         ids = host_to_device(batch.token_ids, self.device)
-        layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots)
+        layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots, verify=batch.verify)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
         slots = batch.state_slots
         rows, last = _logit_rows(batch)
         picked = None if rows is None else host_to_device(rows, self.device)
-        if len(slots) == 1:  # the model never writes its input states: read the slot in place, one copy back
+        # the model never writes its input states; a verify piece's slot keeps the state before the piece until
+        # `rollback` (which replays from it)
+        if len(slots) == 1:  # read the slot in place, one copy back
             logits, new_states = self.model(ids, layout, kv, self.states.view(slots[0]), logit_rows=picked)
-            self.states.write(slots[0], new_states)
+            if not batch.verify:
+                self.states.write(slots[0], new_states)
         else:
             logits, new_states = self.model(ids, layout, kv, self.states.gather(slots), logit_rows=picked)
-            self.states.scatter(slots, new_states)
-        # every_row pieces: all their rows kept (they end at the piece's last row); every last row goes on
+            keep = [i for i in range(len(slots)) if i not in batch.verify]
+            if len(keep) == len(slots):
+                self.states.scatter(slots, new_states)
+            elif keep:
+                self.states.scatter([slots[i] for i in keep], new_states.select(keep))
+        for i, records in (new_states.verify or {}).items():
+            self.verifying[slots[i]] = (records if self.spec_rollback == "replay"
+                                        else [[r.state_at(t) for t in range(1, r.length + 1)] for r in records])
+        self.snapshots = {(slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
+        # every_row pieces: all their rows kept (they end at the piece's last row)
         self.piece_logits = {i: logits[last[i] - n + 1 : last[i] + 1].float().cpu()
                              for i, n in enumerate(batch.extend_lens) if i in batch.every_row}
-        if rows is not None:
-            logits = logits[host_to_device(last, self.device)]
-        self.snapshots = {(batch.state_slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
-        if batch.want_logits != list(range(logits.shape[0])):
+        if rows is not None:  # the wanted rows among those computed: a verify piece's all, another's last
+            want = [r for i in batch.want_logits
+                    for r in (range(last[i] - batch.extend_lens[i] + 1, last[i] + 1) if i in batch.verify
+                              else (last[i],))]
+            logits = logits[host_to_device(want, self.device)]
+        elif batch.want_logits != list(range(logits.shape[0])):
             logits = logits[host_to_device(batch.want_logits, self.device)]
-        return split_logits(logits, batch.greedy)
+        greedy = batch.greedy
+        if batch.verify and greedy:
+            greedy = tuple(g for i, g in zip(batch.want_logits, greedy)
+                           for _ in range(batch.extend_lens[i] if i in batch.verify else 1))
+        return split_logits(logits, greedy)
 
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
         """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""
@@ -169,13 +221,13 @@ class Worker:
 
 
 def _logit_rows(batch: StepBatch) -> tuple[list[int] | None, list[int]]:
-    """With `every_row` pieces: (the flat rows to compute logits at: all of those pieces', the last of the
-    others; the index of each piece's last row among them). Without: (None, [])."""
-    if not batch.every_row:
+    """With `every_row` or `verify` pieces: (the flat rows to compute logits at: all of those pieces', the last
+    of the others; the index of each piece's last row among them). Without: (None, [])."""
+    if not batch.every_row and not batch.verify:
         return None, []
     rows, last, at = [], [], 0
     for i, n in enumerate(batch.extend_lens):
-        rows += list(range(at, at + n)) if i in batch.every_row else [at + n - 1]
+        rows += list(range(at, at + n)) if i in batch.every_row or i in batch.verify else [at + n - 1]
         last.append(len(rows) - 1)
         at += n
     return rows, last

@@ -58,6 +58,9 @@ class BatchLayout:
     cached_lens: tuple[int, ...]
     snapshots: tuple[tuple[int, ...], ...] = ()  # per sequence: offsets k (0 < k < extend_len) to capture
     device: torch.device = field(default=torch.device("cpu"), compare=False)
+    # sequences whose piece is a speculative verify piece (1 + k tokens, k >= 1): attention reads it like decode
+    # rows, and recurrent layers return what rolls its state back to any accepted prefix (`LinearStates.verify`)
+    verify: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.extend_lens) != len(self.cached_lens):
@@ -68,6 +71,10 @@ class BatchLayout:
                 list(ks) != sorted(set(ks)) or any(not 0 < k < n for k in ks)
                 for ks, n in zip(self.snapshots, self.extend_lens))):
             raise ValueError(f"bad snapshots {self.snapshots} for extend lengths {self.extend_lens}")
+        if self.verify and (list(self.verify) != sorted(set(self.verify)) or any(
+                not 0 <= i < len(self.extend_lens) or self.extend_lens[i] < 2
+                or (self.snapshots and self.snapshots[i]) for i in self.verify)):
+            raise ValueError(f"bad verify pieces {self.verify} for extend lengths {self.extend_lens}")
 
     @classmethod
     def uniform(cls, batch_size: int, seq_len: int, cached_len: int = 0) -> "BatchLayout":
@@ -153,9 +160,11 @@ class AttentionKV(Protocol):
         [cached_len + extend_len, W]."""
         ...
 
-    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
-        """Decode form: one new entry per sequence (entries [B, W]); returns every history padded to the longest,
-        [B, S_max, W] (rows past a sequence's length are arbitrary; the caller masks them)."""
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor,
+                      counts: list[int] | None = None) -> torch.Tensor:
+        """Decode form: one new entry per sequence (entries [B, W]), or `counts[b]` consecutive ones for sequence
+        b (a speculative verify piece); returns every history padded to the longest, [B, S_max, W] (rows past a
+        sequence's length are arbitrary; the caller masks them)."""
         ...
 
 
@@ -171,9 +180,11 @@ class ContiguousKV:
         self._store[(layer, seq)] = full
         return full
 
-    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor) -> torch.Tensor:
-        return torch.nn.utils.rnn.pad_sequence(
-            [self.extend(layer, s, entries[i : i + 1]) for i, s in enumerate(seqs)], batch_first=True)
+    def extend_padded(self, layer: int, seqs: list[int], entries: torch.Tensor,
+                      counts: list[int] | None = None) -> torch.Tensor:
+        parts = entries.split(counts or [1] * len(seqs))
+        return torch.nn.utils.rnn.pad_sequence([self.extend(layer, s, e) for s, e in zip(seqs, parts)],
+                                               batch_first=True)
 
     def length(self, layer: int, seq: int) -> int:
         t = self._store.get((layer, seq))
@@ -192,6 +203,8 @@ class LinearStates:
     ssm: list[torch.Tensor]
     # states inside the step, for BatchLayout.snapshots: (sequence, offset k) -> batch-1 states after k tokens
     snapshots: dict[tuple[int, int], "LinearStates"] | None = None
+    # BatchLayout.verify: sequence -> per linear layer, what rebuilds its state after any prefix of its piece
+    verify: dict[int, list] | None = None
 
     @property
     def batch_size(self) -> int:

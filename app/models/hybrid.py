@@ -79,7 +79,8 @@ class HybridForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, LinearStates]:
         """input_ids: [N] flat tokens of `layout`. Returns logits ([N, V] if all_logits, [len(logit_rows), V] at
         those flat rows if given, else [num_seqs, V] at each sequence's last token) and the new recurrent states
-        of the batch's sequences (with `.snapshots` filled when the layout asks for states inside the step)."""
+        of the batch's sequences (with `.snapshots` filled when the layout asks for states inside the step, and
+        `.verify` with the rollback records of its verify pieces)."""
         layout = layout.on(input_ids.device)
         hidden = self.model.embed_tokens(input_ids)
         new_conv, new_ssm, snapped = [], [], []
@@ -107,7 +108,9 @@ class HybridForCausalLM(nn.Module):
         if any(layout.snapshots):
             states.snapshots = {key: LinearStates([s[key][0][None] for s in snapped],
                                                   [s[key][1][None] for s in snapped])
-                                for key in snapped[0]}
+                                for key in snapped[0] if key[0] != "verify"}
+        if layout.verify:
+            states.verify = {i: [s[("verify", i)] for s in snapped] for i in layout.verify}
         return logits, states
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:

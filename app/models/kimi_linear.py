@@ -223,12 +223,19 @@ class KimiMLA(nn.Module):
 
     def _absorbed_decode(self, q: torch.Tensor, history: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Decode attention on the latent entries (MLA weight absorption): q [B, H, nope + rope], history
-        [B, S, rank + rope], mask [B, S] -> [B, H, v_dim]. kv_b_proj's key half is folded into the query and its
-        value half applied once to the attended latent, so cached entries are never expanded per head."""
+        [B, S, rank + rope], mask [B, S] -> [B, H, v_dim]; or, for verify pieces, q [B, T, H, .] and mask
+        [B, T, S] -> [B, T, H, v_dim]. kv_b_proj's key half is folded into the query and its value half applied
+        once to the attended latent, so cached entries are never expanded per head."""
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [H, nope, rank], [H, v_dim, rank]
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = history.split([self.rank, self.rope], dim=-1)  # [B, S, rank], [B, S, rope]
+        if q.dim() == 4:  # blocks of T queries (speculative verify): q [B, T, H, Dq], mask [B, T, S]
+            b, t = q.shape[:2]
+            q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_k).flatten(1, 2)  # [B, T*H, rank]
+            scores = (q_lat @ latent.transpose(1, 2) + q_rot.flatten(1, 2) @ k_rot.transpose(1, 2)) * self.scale
+            probs = scores.view(b, t, self.heads, -1).masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1)
+            return torch.einsum("bthr,hvr->bthv", (probs.flatten(1, 2) @ latent).view(b, t, self.heads, -1), w_v)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_k)
         scores = (q_lat @ latent.transpose(1, 2) + q_rot @ k_rot.transpose(1, 2)) * self.scale  # [B, H, S]
         probs = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(dim=-1)

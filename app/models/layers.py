@@ -182,7 +182,11 @@ def attend(
         return out.reshape(b * t, *out.shape[2:])
     decode = [i for i, n in enumerate(layout.extend_lens) if n == 1]
     pieces = []  # (flat rows: an index tensor or a slice, their attention output)
-    if decode:  # one padded batch for every single-token sequence
+    if layout.verify:  # decode rows and speculative verify pieces: one padded batch of short query blocks
+        short = sorted(decode + list(layout.verify))
+        pieces.append(_short_blocks(layer, q, entries, layout, kv, short, expand, scale, absorbed_decode))
+        decode = short
+    elif decode:  # one padded batch for every single-token sequence
         rows = slice(None) if layout.all_decode else layout.memo(
             ("decode_rows",), lambda: layout.tensor([layout.offsets[i + 1] - 1 for i in decode]))
         history = kv.extend_padded(layer, decode, entries[rows])  # [B, S_max, W]
@@ -208,6 +212,38 @@ def attend(
     for rows, o in pieces:
         out[rows] = o
     return out
+
+
+def _short_blocks(layer, q, entries, layout: BatchLayout, kv: AttentionKV, seqs: list[int], expand, scale: float,
+                  absorbed_decode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of short pieces (decode rows and verify pieces of 1 + k tokens) as one padded batch: every
+    piece's new entries are written first, then its T queries (padded to the longest piece, T_max) read the
+    sequence's history, query j seeing the keys up to its own position. Returns (their flat rows, output)."""
+    lens = [layout.extend_lens[i] for i in seqs]
+    t_max = max(lens)
+
+    def tables():
+        rows = [r for i in seqs for r in range(layout.offsets[i], layout.offsets[i + 1])]
+        # query block b, row j: flat row offsets[b] + min(j, T_b - 1) (padding repeats the last row); kept rows
+        padded = [layout.offsets[i] + min(j, n - 1) for i, n in zip(seqs, lens) for j in range(t_max)]
+        kept = [b * t_max + j for b, n in enumerate(lens) for j in range(n)]
+        return layout.tensor(rows), layout.tensor(padded), layout.tensor(kept)
+
+    rows, padded, kept = layout.memo(("short_rows", tuple(seqs)), tables)
+    history = kv.extend_padded(layer, seqs, entries[rows], lens)  # [B, S_max, W]
+    b, s_max = history.shape[:2]
+    mask = layout.memo(("short_mask", s_max), lambda: _length_mask(layout.positions[padded] + 1, s_max).view(
+        b, t_max, s_max))
+    qb = q[padded].view(b, t_max, *q.shape[1:])  # [B, T_max, H, Dq]
+    if absorbed_decode is not None:
+        out = absorbed_decode(qb, history, mask)  # [B, T_max, H, Dv]
+    else:
+        k, v = expand(history.flatten(0, 1))
+        k, v = k.view(b, s_max, *k.shape[1:]), v.view(b, s_max, *v.shape[1:])
+        out = F.scaled_dot_product_attention(qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=k.shape[2] != q.shape[1]).transpose(1, 2)
+    return rows, out.flatten(0, 1)[kept]
 
 
 def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:

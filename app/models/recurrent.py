@@ -6,15 +6,59 @@ a uniform training batch runs in one call, and each prefill chunk of a mixed ste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from app.models.batch import BatchLayout
-from app.ops import causal_conv1d, chunk_gdn, chunk_kda, chunk_states_at, conv_states_at, conv_step, gated_delta_step
+from app.ops import (
+    causal_conv1d,
+    chunk_gdn,
+    chunk_kda,
+    chunk_states_at,
+    chunk_with_replay,
+    conv_states_at,
+    conv_step,
+    gated_delta_step,
+    state_after,
+)
 
 # split(conv_out [G, T, C]) -> q [G, T, H, K], k [G, T, H, K], v [G, T, H, V] (q, k already l2-normalised)
 SplitQKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class VerifyInputs:
+    """One layer's rollback record of one speculative verify piece of T tokens: the state before it (conv0, ssm0:
+    the sequence's slot, untouched until the rollback), its raw conv inputs x [T, C], the replay inputs
+    (k [H, T, K], G [H, T, D], delta [H, T, V]: see `chunk_with_replay`) and the state after all T tokens."""
+
+    conv0: torch.Tensor
+    ssm0: torch.Tensor
+    x: torch.Tensor
+    k: torch.Tensor
+    G: torch.Tensor
+    delta: torch.Tensor
+    conv: torch.Tensor | None  # None for a piece padded in its group: then replayed at T too
+    ssm: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        return self.x.shape[0]
+
+    def state_at(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [C, W-1], ssm [H, K, V]) after the first t tokens (1 <= t <= T) of the piece: replayed from the
+        state before it, or the pass's own final state at t = T (unless the piece was padded)."""
+        if t == self.length and self.ssm is not None:
+            return self.conv, self.ssm
+        w = self.conv0.shape[-1]
+        xs = torch.cat([self.conv0, self.x[:t].transpose(0, 1).to(self.conv0.dtype)], dim=-1)
+        return xs[:, t : t + w], state_after(self.ssm0, self.k[:, :t], self.G[:, :t], self.delta[:, :t])
+
+    def replay_bytes(self) -> int:
+        """Bytes this record keeps beyond the two states (the slot's, and the final one): the per-token inputs."""
+        return sum(t.numel() * t.element_size() for t in (self.x, self.k, self.G, self.delta))
 
 
 def recurrent_mix(
@@ -35,39 +79,97 @@ def recurrent_mix(
     conv_weight: [C, W]; conv_state: [B, C, W-1] or None (zeros); ssm_state: [B, H, K, V] fp32 or None.
     Returns out [N, H, V] and the new conv [B, C, W-1] and ssm [B, H, K, V] states; with
     `layout.snapshots`, also {(seq, k): (conv [C, W-1], ssm [H, K, V])} after the first k tokens of a piece
-    (such a sequence runs alone, in one pass), else an empty dict.
+    (such a sequence runs alone, in one pass), else an empty dict. With `layout.verify`, that dict also holds
+    {("verify", seq): VerifyInputs} for each verify piece.
     """
     if any(layout.snapshots):
         return _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split,
                                    per_channel_gate, chunk_size)
-    return (*_run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,
-                         chunk_size), {})
+    return _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,
+                       chunk_size, layout.verify)
 
 
-def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size):
-    groups = layout.groups_by_extend_len()
+def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate, chunk_size,
+                verify=()):
+    """Every sequence in [G, T] groups of equal extend length, and the verify pieces `verify` lists in one group
+    padded to the longest of them; returns out, conv, ssm and the verify records (keyed ("verify", index in this
+    layout)). A verify piece's own slot is not written from `conv`/`ssm` (see `Worker.run`)."""
     b = layout.num_seqs
-    if len(groups) == 1:
-        t = groups[0][0]
-        return _run_group(mixed.view(b, t, -1), g.view(b, t, *g.shape[1:]), beta.view(b, t, -1), conv_weight,
-                          conv_state, ssm_state, split, per_channel_gate, chunk_size)
+    if not verify:
+        groups = layout.groups_by_extend_len()
+        if len(groups) == 1:
+            t = groups[0][0]
+            return (*_run_group(mixed.view(b, t, -1), g.view(b, t, *g.shape[1:]), beta.view(b, t, -1), conv_weight,
+                                conv_state, ssm_state, split, per_channel_gate, chunk_size), {})
+    else:
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(layout.extend_lens):
+            if i not in verify:
+                groups.setdefault(n, []).append(i)
+        groups = sorted(groups.items())
     out = None
     new_conv, new_ssm = [None] * b, [None] * b
+    records = {}
     for t, seqs in groups:
-        tok = layout.tensor([p for i in seqs for p in range(layout.offsets[i], layout.offsets[i] + t)])
-        idx = layout.tensor(seqs)
-        o, c, s = _run_group(
-            mixed[tok].view(len(seqs), t, -1), g[tok].view(len(seqs), t, *g.shape[1:]),
-            beta[tok].view(len(seqs), t, -1), conv_weight,
-            None if conv_state is None else conv_state[idx], None if ssm_state is None else ssm_state[idx],
-            split, per_channel_gate, chunk_size,
-        )
-        if out is None:
-            out = o.new_zeros(mixed.shape[0], *o.shape[1:])
-        out = out.index_copy(0, tok, o)
+        if len(seqs) == b:
+            x, gg, bb, c0, s0 = (mixed.view(b, t, -1), g.view(b, t, *g.shape[1:]), beta.view(b, t, -1), conv_state,
+                                 ssm_state)
+            o, c, s = _run_group(x, gg, bb, conv_weight, c0, s0, split, per_channel_gate, chunk_size)
+            out = o
+        else:
+            tok = layout.tensor([p for i in seqs for p in range(layout.offsets[i], layout.offsets[i] + t)])
+            idx = layout.tensor(seqs)
+            o, c, s = _run_group(mixed[tok].view(len(seqs), t, -1), g[tok].view(len(seqs), t, *g.shape[1:]),
+                                 beta[tok].view(len(seqs), t, -1), conv_weight,
+                                 None if conv_state is None else conv_state[idx],
+                                 None if ssm_state is None else ssm_state[idx], split, per_channel_gate, chunk_size)
+            out = (o.new_zeros(mixed.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, tok, o)
         for j, i in enumerate(seqs):
             new_conv[i], new_ssm[i] = c[j], s[j]
-    return out, torch.stack(new_conv), torch.stack(new_ssm)
+    if verify:
+        out, records = _verify_pieces(mixed, g, beta, layout, list(verify), out, new_conv, new_ssm, conv_weight,
+                                      conv_state, ssm_state, split)
+    return out, torch.stack(new_conv), torch.stack(new_ssm), records
+
+
+def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_weight, conv_state, ssm_state, split):
+    """The verify pieces `seqs` as one [G, T_max] group: shorter pieces are padded (their padding rows repeat the
+    piece's last row, with beta and g zeroed after the conv, so they leave the state unchanged) and the chunked
+    pass runs with chunk size T_max. Fills `out` and the final states; returns out and the records."""
+    lens = [layout.extend_lens[i] for i in seqs]
+    t_max = max(lens)
+
+    def tables():
+        padded = [layout.offsets[i] + min(j, n - 1) for i, n in zip(seqs, lens) for j in range(t_max)]
+        real = [b * t_max + j for b, n in enumerate(lens) for j in range(n)]
+        rows = [r for i in seqs for r in range(layout.offsets[i], layout.offsets[i + 1])]
+        pad = [[j >= n for j in range(t_max)] for n in lens]
+        return layout.tensor(padded), layout.tensor(real), layout.tensor(rows), torch.tensor(pad, device=layout.device)
+
+    padded, real, rows, pad = layout.memo(("verify_rows", tuple(seqs)), tables)
+    G_ = len(seqs)
+    x = mixed[padded].view(G_, t_max, -1)
+    gg = g[padded].view(G_, t_max, *g.shape[1:])
+    bb = beta[padded].view(G_, t_max, -1)
+    if t_max != min(lens):
+        bb = bb.masked_fill(pad[..., None], 0.0)
+        gg = gg.masked_fill(pad.view(G_, t_max, *(1,) * (gg.dim() - 2)), 0.0)
+    idx = layout.tensor(seqs)
+    c0 = conv_state[idx] if conv_state is not None else x.new_zeros(G_, x.shape[-1], conv_weight.shape[-1] - 1)
+    y, conv_new = causal_conv1d(x, conv_weight, None, c0, "silu")
+    q, k, v = split(y)
+    s0 = ssm_state[idx] if ssm_state is not None else q.new_zeros(G_, q.shape[2], q.shape[3], v.shape[-1],
+                                                                  dtype=torch.float32)
+    o, s, (kk, GG, delta) = chunk_with_replay(q, k, v, gg, bb, initial_state=s0, chunk_size=t_max)
+    o = o.reshape(-1, *o.shape[2:])[real]
+    out = (o.new_zeros(mixed.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, rows, o)
+    records = {}
+    for j, (i, n) in enumerate(zip(seqs, lens)):
+        new_conv[i], new_ssm[i] = conv_new[j], s[j]
+        full = n == t_max  # a padded piece's final states came through its padding: its record replays them
+        records[("verify", i)] = VerifyInputs(c0[j], s0[j], x[j, :n], kk[j, :, :n], GG[j, :, :n], delta[j, :, :n],
+                                              conv_new[j] if full else None, s[j] if full else None)
+    return out, records
 
 
 def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,
@@ -77,15 +179,17 @@ def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_sta
     plain = [i for i, ks in enumerate(layout.snapshots) if not ks]
     out = None
     new_conv, new_ssm = [None] * layout.num_seqs, [None] * layout.num_seqs
-    snaps = {}
+    snaps: dict = {}
     if plain:
         tok = layout.tensor([p for i in plain for p in range(layout.offsets[i], layout.offsets[i + 1])])
         idx = layout.tensor(plain)
         sub = BatchLayout(tuple(layout.extend_lens[i] for i in plain), tuple(layout.cached_lens[i] for i in plain),
                           device=layout.device)
-        o, c, s = _run_groups(mixed[tok], g[tok], beta[tok], sub, conv_weight,
-                              None if conv_state is None else conv_state[idx],
-                              None if ssm_state is None else ssm_state[idx], split, per_channel_gate, chunk_size)
+        o, c, s, recs = _run_groups(mixed[tok], g[tok], beta[tok], sub, conv_weight,
+                                    None if conv_state is None else conv_state[idx],
+                                    None if ssm_state is None else ssm_state[idx], split, per_channel_gate,
+                                    chunk_size, tuple(j for j, i in enumerate(plain) if i in layout.verify))
+        snaps.update({("verify", plain[j]): r for (_, j), r in recs.items()})
         out = o.new_zeros(mixed.shape[0], *o.shape[1:]).index_copy(0, tok, o)
         for j, i in enumerate(plain):
             new_conv[i], new_ssm[i] = c[j], s[j]

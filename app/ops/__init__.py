@@ -9,7 +9,7 @@ q/k and v share the head count H: Qwen3-Next's grouped value heads are expanded 
 
 import torch
 
-from app.ops.chunk import chunk_gdn, chunk_kda, chunk_states_at
+from app.ops.chunk import chunk_gdn, chunk_kda, chunk_states_at, chunk_with_replay, state_after
 from app.ops.conv import causal_conv1d, conv_states_at, naive_causal_conv1d
 from app.ops.naive import naive_gdn, naive_kda
 from app.ops.step import conv_step, gated_delta_step
@@ -25,6 +25,7 @@ __all__ = [
     "chunk_gdn",
     "chunk_kda",
     "chunk_states_at",
+    "chunk_with_replay",
     "conv_states_at",
     "conv_step",
     "gated_delta_step",
@@ -32,4 +33,5 @@ __all__ = [
     "naive_causal_conv1d",
     "naive_gdn",
     "naive_kda",
+    "state_after",
 ]

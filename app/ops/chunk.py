@@ -91,9 +91,61 @@ def chunk_states_at(
     return _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at)
 
 
-def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: Sequence[int] = ()):
+def chunk_with_replay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`chunk_kda` (g [B, T, H, K]) or `chunk_gdn` (g [B, T, H]) over one chunk (T <= chunk_size: a speculative
+    verify piece) that also returns its replay inputs (k, G, delta), each [B, H, T, K | D | V] fp32: the keys,
+    the cumulative log-decays and the delta-rule corrections the pass computed (FLA's v_new). `state_after` on
+    the first t of them rebuilds the state after t tokens from the initial state in one matmul, with the bits
+    `chunk_states_at` gives at t."""
+    if q.shape[1] > chunk_size:
+        raise ValueError(f"a replayable piece fits one chunk: {q.shape[1]} tokens > chunk_size {chunk_size}")
+    g = g.unsqueeze(-1) if g.dim() == 3 else g
+    B, T, H, K = k.shape
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = q.dtype
+    S0 = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    # one chunk of T tokens, [B, H, T, *], without the general form's padding to chunk_size and its blocking:
+    # a verify piece is a few tokens, where the op count is the cost
+    q, k, v, g = (x.float().transpose(1, 2) for x in (q, k, v, g))
+    beta = beta.float().transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+    G = g.cumsum(dim=-2)
+    decay = _masked_exp(G.unsqueeze(-2) - G.unsqueeze(-3), _causal(T, G.device))  # [B, H, T_i, T_j, D]
+    if G.shape[-1] == 1:
+        decay = decay.squeeze(-1)
+        Aqk, A = (q @ k.transpose(-1, -2)) * decay, ((k * beta) @ k.transpose(-1, -2)) * decay
+    else:
+        kd = decay * k.unsqueeze(-3)  # [B, H, T_i, T_j, K]: k_j exp(G_i - G_j)
+        Aqk, A = (kd @ q.unsqueeze(-1)).squeeze(-1), (kd @ (k * beta).unsqueeze(-1)).squeeze(-1)
+    from_start = G.exp()
+    rhs = torch.cat([v * beta, k * beta * from_start], dim=-1)
+    u, w = torch.linalg.solve_triangular(A.tril(-1), rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], K], dim=-1)
+    delta = u - w @ S0  # [B, H, T, V]
+    o = (q * scale * from_start) @ S0 + (Aqk * scale) @ delta
+    S = state_after(S0, k, G, delta)
+    return o.transpose(1, 2).to(out_dtype), S, (k, G, delta)
+
+
+def state_after(state: torch.Tensor, k: torch.Tensor, G: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The state [.., K, V] after the t tokens of (k [.., t, K], G [.., t, D], delta [.., t, V]) from `state`
+    (all inside one chunk that starts at `state`): exp(G_t) * S + (k * exp(G_t - G))^T delta, per key channel."""
+    G_t = G[..., -1:, :]
+    return state * G_t.transpose(-1, -2).exp() + (k * (G_t - G).exp()).transpose(-1, -2) @ delta
+
+
+def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: Sequence[int] = (), keep=False):
     """g: [B, T, H, D] with D = K (per channel) or D = 1 (per head, scalar path with plain matmuls).
-    Returns o, the final state and the states after the first t tokens for t in `at` (stacked, or None)."""
+    Returns o, the final state and the states after the first t tokens for t in `at` (stacked, or None); with
+    `keep` (one chunk), the replay inputs (k, G, delta) [B, H, T, *] instead of the third."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     out_dtype = q.dtype
@@ -129,18 +181,18 @@ def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: S
 
     o = (q * from_start) @ starts + Aqk @ deltas  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :T]
+    if keep:
+        return o.to(out_dtype), S, (k[:, :, 0, :T], G[:, :, 0, :T], deltas[:, :, 0, :T])
     inside = torch.stack([_state_inside(t, C, starts, deltas, k, G) for t in at]) if at else None
     return o.to(out_dtype), S, inside
 
 
 def _state_inside(t: int, C: int, starts, deltas, k, G) -> torch.Tensor:
-    """State after t tokens: S = exp(G_{j-1}) * S_n + (k[:j] * exp(G_{j-1} - G[:j]))^T delta[:j], t = n*C + j."""
+    """State after t tokens, t = n*C + j: chunk n's start state advanced by its first j deltas."""
     n, j = divmod(t, C)
     if j == 0:
         return starts[:, :, n]
-    G_n = G[:, :, n, :j]  # [B, H, j, D]
-    k_to_t = k[:, :, n, :j] * (G_n[..., -1:, :] - G_n).exp()
-    return starts[:, :, n] * G_n[..., -1, :].exp().unsqueeze(-1) + k_to_t.transpose(-1, -2) @ deltas[:, :, n, :j]
+    return state_after(starts[:, :, n], k[:, :, n, :j], G[:, :, n, :j], deltas[:, :, n, :j])
 
 
 def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:

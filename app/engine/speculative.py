@@ -1,0 +1,167 @@
+"""Speculative decoding: drafts, the depth each sequence drafts to, and the acceptance of a verified piece.
+
+A decoding sequence with k drafts feeds its last token and the drafts as one piece of 1 + k tokens. Row j of the
+piece's logits is the model's next-token distribution after the last token and the first j drafts, so one
+forward scores every draft:
+
+    piece:   x0    d1    d2    d3          (x0: the last sampled token, not computed yet)
+    row:     0     1     2     3           row j predicts the token after d_j
+    greedy:  accept d1 if argmax(row 0) == d1, then d2 against row 1, ...; at the first mismatch emit the
+             row's own argmax instead; after k accepted drafts emit row k's pick (the bonus token)
+
+Sampled rows use rejection sampling against the deterministic draft: d_j is kept with probability p_j(d_j) (the
+target's sampling distribution at that row, after temperature, min_p, top-k and top-p); a rejection draws from p_j
+with d_j removed. The emitted tokens then follow the target's distribution exactly. Every row is processed as plain
+decoding would process it at that position (penalties, logit_bias, min_tokens, grammar), with the earlier
+accepted drafts counted as output.
+
+The state after the piece covers all 1 + k tokens; `Worker.rollback` brings it back to the tokens that stay.
+
+Depth. Each sequence keeps an estimate of the chance that its next draft token is accepted (an exponential
+average over its own verify steps, never the batch's). With acceptance a and a verified draft token costing c
+decode steps (`spec_draft_cost`), k drafts yield (1 - a^(k+1)) / (1 - a) tokens for 1 + c k steps; the depth is
+the k that maximises that ratio, up to `spec_tokens`. When it is 0 the sequence decodes plainly and probes again
+with one draft after PROBE_AFTER steps. A seeded request's output therefore depends only on its own history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from app.engine.config import EngineConfig
+from app.engine.logits import needs_processing, process
+from app.engine.sampling import draw, token_probs
+
+ALPHA_START = 0.5  # the acceptance estimate before a sequence's first verify step
+ALPHA_WEIGHT = 0.3  # weight of the newest verify step in the estimate
+PROBE_AFTER = 8  # plain decode steps before a sequence whose drafts did not pay tries one draft again
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculative state: its n-gram index and its acceptance history."""
+
+    index: dict = field(default_factory=dict)  # (n, n-gram) -> end of its latest occurrence with a follower
+    indexed: int = 0  # tokens[:indexed] are in the index
+    alpha: float = ALPHA_START
+    idle: int = 0  # plain steps since the depth fell to 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last n tokens
+    (the longest n in [ngram_min, ngram_max] that occurred), with no extra model. An index per sequence maps each
+    n-gram to where it last ended, updated as tokens arrive, so a lookup costs O(ngram_max) whatever the length."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.max_tokens, self.cost = cfg.spec_tokens, cfg.spec_draft_cost
+        self.ns = range(cfg.spec_ngram_max, cfg.spec_ngram_min - 1, -1)
+
+    def depth(self, st: SpecState) -> int:
+        """The number of drafts that maximises expected tokens per unit of step cost (see the module doc)."""
+        a = min(st.alpha, 0.999)
+        best, best_k = 1.0, 0
+        for k in range(1, self.max_tokens + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost * k)
+            if gain > best + 1e-9:
+                best, best_k = gain, k
+        return best_k
+
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
+        """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none)."""
+        st = seq.spec
+        if st is None:
+            st = seq.spec = SpecState()
+        k = min(self.depth(st), limit)
+        if k <= 0:
+            st.idle += 1
+            if st.idle < PROBE_AFTER or limit <= 0:
+                return ()
+            k = 1
+        self._index(st, seq)
+        n_tok = seq.num_tokens
+        for n in self.ns:
+            if n_tok <= n:
+                continue
+            key = (n, tuple(seq.token_range(n_tok - n, n_tok)))
+            end = st.index.get(key)
+            if end is not None:
+                return tuple(seq.token_range(end, min(end + k, n_tok)))
+        return ()
+
+    def _index(self, st: SpecState, seq) -> None:
+        """Add the n-grams tokens[end - n : end] for the ends not indexed yet that have a following token
+        (end < num_tokens), so a lookup finds the latest earlier occurrence, never the suffix itself."""
+        last = seq.num_tokens - 1  # the largest end with a follower
+        if st.indexed > last:
+            return
+        lo = max(0, st.indexed - max(self.ns))
+        window = seq.token_range(lo, last)
+        for end in range(max(st.indexed, 1), last + 1):
+            for n in self.ns:
+                if end - n >= lo:
+                    st.index[(n, tuple(window[end - n - lo : end - lo]))] = end
+        st.indexed = last + 1
+
+    @staticmethod
+    def record(seq, drafted: int, accepted: int) -> None:
+        """Update the sequence's acceptance estimate after verifying `drafted` drafts."""
+        st = seq.spec
+        st.drafted += drafted
+        st.accepted += accepted
+        if drafted:
+            st.alpha = (1 - ALPHA_WEIGHT) * st.alpha + ALPHA_WEIGHT * accepted / drafted
+            st.idle = 0
+
+
+def accept(seq, drafts: tuple[int, ...], rows: torch.Tensor | list[int], end_ids, grammars) -> list[int]:
+    """The tokens a verified piece emits: the accepted drafts, then the row's own pick (1 to len(drafts) + 1
+    tokens). rows: the greedy argmax of every row (a list, for rows needing no processing), or the raw logits
+    [1 + k, V] (fp32, host)."""
+    p = seq.params
+    if isinstance(rows, list):
+        out = []
+        for j, d in enumerate(drafts):
+            if rows[j] != d:
+                return out + [rows[j]]
+            out.append(d)
+        return out + [rows[len(drafts)]]
+    out: list[int] = []
+    view = SimpleNamespace(params=p, prompt_ids=seq.prompt_ids, output_ids=seq.output_ids, grammar=seq.grammar)
+    if p.guided_json is not None and seq.grammar is None:
+        seq.grammar = view.grammar = grammars.state(p.guided_json)
+    for j in range(len(drafts) + 1):
+        row = rows[j]
+        if needs_processing(p):
+            view.output_ids = seq.output_ids + out
+            row = process(row[None], [view], end_ids, grammars)[0]
+        d = drafts[j] if j < len(drafts) else None
+        if p.temperature <= 0:
+            tok = int(row.argmax())
+            if tok != d:
+                return out + [tok]
+        else:
+            probs = token_probs(row, p.temperature, p.top_p, p.top_k, p.min_p)
+            if d is None:
+                return out + [draw(probs, seq.generator)]
+            u = float(torch.rand((), generator=seq.generator, device="cpu"))
+            if u >= float(probs[d]):  # rejected: draw from the rest of the distribution
+                return out + [draw(probs.index_fill(0, torch.tensor([d], device=probs.device), 0.0), seq.generator)]
+        out.append(d)
+    raise AssertionError("unreachable: the last row always emits")
+
+
+def rollback_bytes_per_token(units, conv_channels: int, conv_window: int, conv_elem_bytes: int) -> dict[str, int]:
+    """Per draft token and sequence, summed over the recurrent layers `units` (UnitGeometry): what replay keeps
+    (per head the key, the cumulative gate (K values for KDA, 1 for GDN) and the delta-rule correction, fp32; the
+    raw conv input) and what a snapshot keeps (the state, fp32, and the conv window)."""
+    replay = snapshot = 0
+    for u in units:
+        gate = u.d_k if u.kind == "kda" else 1
+        replay += 4 * u.heads * (u.d_k + gate + u.d_v) + conv_channels * conv_elem_bytes
+        snapshot += 4 * u.heads * u.d_k * u.d_v + conv_channels * conv_window * conv_elem_bytes
+    return {"replay": replay, "snapshot": snapshot}

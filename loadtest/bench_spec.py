@@ -1,0 +1,205 @@
+"""Speculative decoding (prompt lookup) against plain decoding, and what rolling recurrent state back costs:
+`python -m loadtest.bench_spec [--model kda-tiny gdn-tiny] [--batches 1 4 16] [--compiled] [--out docs/benchmarks.md]`.
+
+Workloads, prompts cut from the standard-library files the zoo's training held out:
+  - edit: a 40-line snippet, a marker line, then the snippet's first two lines again: the answer repeats much of
+    the prompt, as a code edit does (the zoo models copy it, so drafts are accepted);
+  - free: the snippet's first line only: free generation, where drafts rarely match.
+Arms, each a fresh engine without the prefix cache (decode is what is measured): plain (the engine's default,
+eager decode path), spec (`spec: ngram`, default depth 4, replay rollback) and, with --compiled, plain with
+`compile_decode` (its compile happens before timing). Each arm decodes `--max-tokens` tokens per sequence (ignore_eos)
+at batch B, greedy and sampled (temperature 0.8, seeded). The clock starts once every sequence has its first
+token (prefill is not timed) and stops at the last; tokens/s counts the tokens emitted meanwhile. Repeated
+`--repeats` times: medians, and the median of the per-repeat ratios spec / plain (same run, same prompts).
+Greedy spec output is checked token for token against plain (the run fails otherwise).
+
+Mean accepted length is accepted drafts per verify piece; 1 + it is the tokens a verify step emits. The issue's
+targets are printed: at batch 1 on edit, speedup >= 0.8 x (1 + mean accepted length); on free, >= 0.97x at
+every batch.
+
+Rollback bytes per draft token, per sequence: replay keeps each verified token's key, cumulative gate and
+delta-rule correction per head (fp32) and its raw conv input; snapshot keeps a whole state (H x K x V fp32 and the
+conv window) per drafted position. For the zoo models also measured (bytes the worker kept / drafts); for
+Kimi-Linear-48B and Qwen3-Next-80B computed from their geometry (the plan tool's reading of config.json, on the
+generated stand-in checkpoints of loadtest/fake_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from app.calibrate import held_out_prompts
+from app.dasc import plan as plan_tool
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
+from app.engine.speculative import rollback_bytes_per_token
+from app.models.loader import load_model, resolve_model_dir
+from app.models.tokenizer import Tokenizer
+from loadtest import fake_checkpoints
+from loadtest.common import median, start_run, table
+from loadtest.sections import publish
+
+PRODUCTION = {"Kimi-Linear-48B": fake_checkpoints.write_kimi_linear_48b,
+              "Qwen3-Next-80B": fake_checkpoints.write_qwen3_next_80b}
+MARKER = "\n# the same code again, edited:\n"
+
+
+def workloads(tok: Tokenizer, n: int) -> dict[str, list[list[int]]]:
+    blocks = [tok.decode(p.prefix + p.suffix + p.continuation) for p in held_out_prompts(tok, n)]
+    edit, free = [], []
+    for text in blocks:
+        lines = text.splitlines()[1:41]  # the first line may start mid-line
+        snippet = "\n".join(lines)
+        edit.append(tok.encode(snippet + MARKER + "\n".join(lines[:2]) + "\n"))
+        free.append(tok.encode(lines[0] + "\n"))
+    return {"edit": edit, "free": free}
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Tokens per second once every sequence has its first token; and the outputs."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    started, counted, t0 = set(), 0, None
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if t0 is not None:
+                counted += len(out.new_token_ids)
+            started.add(out.request_id)
+            if out.finished:
+                final[out.request_id] = out.output_ids
+        if t0 is None and len(started) == len(ids):
+            t0 = time.perf_counter()
+    return counted / (time.perf_counter() - t0), [final[r] for r in ids]
+
+
+def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: bool) -> tuple[list[dict], dict]:
+    d = resolve_model_dir(name)
+    tok = Tokenizer.from_dir(d)
+    model = load_model(d)
+    prompts = workloads(tok, max(batches))
+    arms = {"plain": {}, "spec": {"spec": "ngram"}}
+    if compiled:
+        arms["compiled"] = {"compile_decode": True}
+    rows = []
+    modes = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, seed=1)}
+    for b in batches:
+        engines = {arm: Engine(model, tok, EngineConfig(kv_slots=65536, max_running=max(batches), enable_cache=False,
+                                                        **kn)) for arm, kn in arms.items()}
+        for e in engines.values():  # warm-up (and the compiled arm's compile)
+            e.generate(prompts["edit"][:b], SamplingParams(max_tokens=4, temperature=0.0))
+        for wl, ps in prompts.items():
+            for mode, kw in modes.items():
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+                rates = {arm: [] for arm in arms}
+                before = engines["spec"].snapshot()
+                for _ in range(repeats):
+                    outs = {}
+                    for arm, e in engines.items():
+                        rate, outs[arm] = decode_rate(e, ps[:b], params)
+                        rates[arm].append(rate)
+                    if mode == "greedy" and outs["spec"] != outs["plain"]:
+                        raise AssertionError(f"{name} b{b} {wl}: greedy output with speculation differs from plain")
+                after = engines["spec"].snapshot()
+                verifies = after["spec_verifies"] - before["spec_verifies"]
+                drafted = after["spec_drafted_tokens"] - before["spec_drafted_tokens"]
+                accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+                row = {"model": name, "batch": b, "workload": wl, "mode": mode,
+                       **{f"{arm}_tok_s": median(r) for arm, r in rates.items()},
+                       "speedup": median([s / p for s, p in zip(rates["spec"], rates["plain"])]),
+                       "drafted": drafted, "accepted": accepted,
+                       "mean_accepted": accepted / verifies if verifies else 0.0}
+                if compiled:
+                    row["speedup_vs_compiled"] = median([s / c for s, c in zip(rates["spec"], rates["compiled"])])
+                rows.append(row)
+                print(row, flush=True)
+    measured = measure_rollback_bytes(model, tok, prompts["edit"][:4], max_tokens)
+    return rows, measured
+
+
+def measure_rollback_bytes(model, tok, prompts, max_tokens: int) -> dict:
+    """Bytes the worker kept per draft token in a greedy edit run, for each rollback mode."""
+    out = {}
+    for mode in ("replay", "snapshot"):
+        engine = Engine(model, tok, EngineConfig(kv_slots=65536, enable_cache=False, spec="ngram", spec_rollback=mode))
+        kept = drafted = 0
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            before = engine.telemetry.spec_drafted
+            engine.step()
+            kept += engine.worker.rollback_bytes()
+            drafted += engine.telemetry.spec_drafted - before
+        out[mode] = kept / drafted if drafted else None
+    geo = [model.model.layers[i].mixer.geometry for i in model.linear_layers]
+    out["computed"] = rollback_bytes_per_token([g.units for g in geo], geo[0].conv_channels, geo[0].conv_window,
+                                               model.model.embed_tokens.weight.element_size())
+    return out
+
+
+def production_bytes() -> dict:
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, write in PRODUCTION.items():
+            ckpt = plan_tool.read_checkpoint(write(f"{tmp}/{name}", ballast=False))
+            out[name] = rollback_bytes_per_token(list(ckpt.geometry), ckpt.conv_channels, ckpt.conv_window,
+                                                 plan_tool.CONV_ELEM_BYTES)
+    return out
+
+
+def _markdown(rows: list[dict], zoo: dict, prod: dict, compiled: bool) -> str:
+    headers = ["model", "batch", "workload", "mode", "plain tok/s", "spec tok/s", "speedup", "mean accepted",
+               "target"]
+    if compiled:
+        headers[5:5] = ["compiled tok/s"]
+        headers.insert(7 + 1, "vs compiled")
+    body = []
+    for r in rows:
+        target = (f">= {0.8 * (1 + r['mean_accepted']):.2f}x" if (r["batch"] == 1 and r["workload"] == "edit")
+                  else ">= 0.97x" if r["workload"] == "free" else "")
+        ok = "" if not target else (" met" if r["speedup"] >= float(target.split()[1][:-1]) else " MISSED")
+        line = [r["model"], r["batch"], r["workload"], r["mode"], f"{r['plain_tok_s']:.0f}", f"{r['spec_tok_s']:.0f}",
+                f"{r['speedup']:.2f}x", f"{r['mean_accepted']:.2f}", target + ok]
+        if compiled:
+            line[5:5] = [f"{r['compiled_tok_s']:.0f}"]
+            line.insert(8, f"{r['speedup_vs_compiled']:.2f}x")
+        body.append(line)
+    text = table(headers, body)
+    brows = [[m, f"{v['replay']:.0f}" if v.get("replay") else "-", f"{v['snapshot']:.0f}" if v.get("snapshot") else "-",
+              v["computed"]["replay"], v["computed"]["snapshot"],
+              f"{v['computed']['snapshot'] / v['computed']['replay']:.1f}x"] for m, v in {**zoo, **prod}.items()]
+    text += "\n\nRollback state per draft token, one sequence (measured: bytes the worker kept / drafts):\n\n"
+    text += table(["model", "replay measured", "snapshot measured", "replay computed", "snapshot computed",
+                   "snapshot / replay"], brows)
+    return text
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", nargs="+", default=["kda-tiny", "gdn-tiny"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compiled", action="store_true", help="also plain decoding with compile_decode")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    run = start_run("bench_spec", {"models": args.model, "batches": args.batches, "max_tokens": args.max_tokens,
+                                   "repeats": args.repeats, "threads": args.threads, "compiled": args.compiled})
+    rows, zoo = [], {}
+    for name in args.model:
+        r, zoo[name] = bench_model(name, args.batches, args.max_tokens, args.repeats, args.compiled)
+        rows += r
+    prod = production_bytes()
+    publish(run, "decode", {"rows": rows, "rollback_bytes": {**zoo, **{k: {"computed": v} for k, v in prod.items()}}},
+            _markdown(rows, zoo, {k: {"computed": v} for k, v in prod.items()}, args.compiled), args.out,
+            "Speculative decoding (bench_spec, CPU)")
+
+
+if __name__ == "__main__":
+    main()

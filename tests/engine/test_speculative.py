@@ -1,0 +1,245 @@
+"""Speculative decoding (prompt lookup) with exact state rollback: greedy output equals plain decoding's with the
+prefix cache, dasc nr and wr, n > 1 and checkpoint hits; replay rebuilds the snapshot's bits; sampled output keeps
+the target's distribution; every processing step plain decoding applies still applies.
+
+Prompts are cut from this repository's code, which repeats itself enough for the zoo models' outputs to copy it,
+so drafts are proposed and accepted (each test checks that speculation really happened)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cache.radix import RadixTree
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams, Sequence
+from app.engine.speculative import PROBE_AFTER, NgramDrafter, SpecState, accept
+from app.models.batch import BatchLayout, ContiguousKV
+from tests.helpers import load_zoo
+
+SOURCE = Path(__file__).resolve().parents[2] / "app" / "engine" / "scheduler.py"
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+ZOO = ("kda-tiny", "gdn-tiny")
+
+
+@pytest.fixture(scope="module", params=ZOO)
+def zoo(request):
+    return load_zoo(request.param)
+
+
+@pytest.fixture(scope="module")
+def kda():
+    return load_zoo("kda-tiny")
+
+
+def _prompts(tok, n: int, length: int, stride: int = 211) -> list[list[int]]:
+    ids = tok.encode(SOURCE.read_text())
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def _run(model, tok, prompts, params, **knobs) -> tuple[list, Engine]:
+    engine = Engine(model, tok, EngineConfig(kv_slots=8192, max_running=8, **knobs))
+    outs = engine.generate(prompts, params)
+    engine.check_integrity()
+    return [[o.output_ids for o in per] for per in outs], engine
+
+
+SETTINGS = {
+    "no-cache": {"enable_cache": False},
+    "dense": {"interval": 32},
+    "nr-W16": {"w_max": 16, "interval": 32},
+    "wr-W16": {"w_max": 16, "policy": "wr", "interval": 32},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_speculation_equals_plain_decoding(zoo, setting):
+    """Both zoo models, each cache setting: a first pass, then a second over prompts sharing the first ones'
+    prefixes (they hit checkpoints), with n 2; the outputs equal plain decoding's in the same setting."""
+    model, tok = zoo
+    first = _prompts(tok, 4, 160)
+    second = [p[:120] + q[:40] for p, q in zip(first, _prompts(tok, 4, 40, stride=97))]
+    knobs = SETTINGS[setting]
+    plain, spec = [], []
+    for out, kn in ((plain, {}), (spec, {"spec": "ngram"})):
+        engine = Engine(model, tok, EngineConfig(kv_slots=8192, max_running=8, **knobs, **kn))
+        out.append(engine.generate(first, GREEDY))
+        out.append(engine.generate(second, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, n=2)))
+        engine.check_integrity()
+        snap = engine.snapshot()
+    ids = [[[[o.output_ids for o in per] for per in batch] for batch in run] for run in (plain, spec)]
+    assert ids[0] == ids[1]
+    assert snap["spec_accepted_tokens"] > 20, snap["spec_accepted_per_verify"]
+    if setting != "no-cache":
+        assert snap["cached_tokens"] > 0
+
+
+def test_rollback_replay_is_bitwise_the_snapshot_and_near_plain_decoding(kda):
+    """Two engines, replay and snapshot rollback, stepped in lockstep over the same requests: after every step
+    every running sequence's state is bit-identical. And a verify forward's replayed states at every prefix
+    are within 1e-5 of plain decoding's states after the same tokens."""
+    model, tok = kda
+    prompts = _prompts(tok, 3, 150)
+    engines = [Engine(model, tok, EngineConfig(kv_slots=8192, spec="ngram", spec_rollback=rb, enable_cache=False))
+               for rb in ("replay", "snapshot")]
+    for e in engines:
+        for p in prompts:
+            e.add_request(p, GREEDY)
+    verified = 0
+    while engines[0].has_unfinished():
+        outs = [e.step() for e in engines]
+        assert [(o.request_id, o.new_token_ids) for o in outs[0]] == [(o.request_id, o.new_token_ids)
+                                                                      for o in outs[1]]
+        verified += bool(engines[0].worker.verifying)
+        for a, b in zip(engines[0].scheduler.running, engines[1].scheduler.running):
+            for sa, sb in zip(engines[0].worker.states.ssm + engines[0].worker.states.conv,
+                              engines[1].worker.states.ssm + engines[1].worker.states.conv):
+                assert torch.equal(sa[a.state_slot], sb[b.state_slot])
+    assert verified > 5
+
+    # a verify piece of 6 tokens against feeding them one at a time
+    prompt, piece = prompts[0][:100], torch.tensor(prompts[1][:6])
+    with torch.no_grad():
+        kv = ContiguousKV()
+        _, states = model(torch.tensor(prompt), BatchLayout((100,), (0,)), kv, None)
+        before = {key: t.clone() for key, t in kv._store.items()}
+        _, verified_states = model(piece, BatchLayout((6,), (100,), verify=(0,)), kv, states)
+        kv._store = before
+        records, plain = verified_states.verify[0], states
+        for t in range(1, 7):
+            _, plain = model(piece[t - 1 : t], BatchLayout((1,), (100 + t - 1,)), kv, plain)
+            for j, rec in enumerate(records):
+                conv, ssm = rec.state_at(t)
+                assert (ssm - plain.ssm[j][0]).abs().max() < 1e-5
+                assert (conv.float() - plain.conv[j][0].float()).abs().max() < 1e-5
+
+
+def test_checkpoints_stored_while_speculating_match_plain_decoding(zoo):
+    """Interval checkpoints every 16 tokens (some fall inside accepted verify pieces) and generation-end ones:
+    the same positions are checkpointed as under plain decoding, with states within 1e-5."""
+    model, tok = zoo
+    prompts = _prompts(tok, 3, 90)
+    stored = []
+    for kn in ({}, {"spec": "ngram"}):
+        engine = Engine(model, tok, EngineConfig(kv_slots=8192, interval=16, checkpoint_min_gap=0, **kn))
+        engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        states = {}
+        for node in engine.cache.tree.nodes():
+            if node.checkpoint is not None:
+                states[tuple(RadixTree.path(node)[1])] = engine.codec.load(node.checkpoint)
+        stored.append((states, engine.snapshot()))
+    (plain, _), (spec, snap) = stored
+    assert snap["spec_accepted_tokens"] > 10
+    assert sorted(map(len, plain)) == sorted(map(len, spec)) and set(plain) == set(spec)
+    assert sum(len(k) > 90 and len(k) % 16 == 0 for k in spec) >= 6  # decode-interval checkpoints among them
+    for key, a in plain.items():
+        b = spec[key]
+        for x, y in zip(a.ssm + a.conv, b.ssm + b.conv):
+            assert (x.float() - y.float()).abs().max() < 1e-5, len(key)
+
+
+def test_processing_logprobs_stops_and_grammar_apply_to_verified_rows(kda):
+    """Each request keeps plain decoding's output token for token: penalties, logit_bias, min_p with min_tokens,
+    stop strings and ids, a JSON grammar; and logprobs of accepted tokens equal plain decoding's within 1e-4."""
+    model, tok = kda
+    prompts = _prompts(tok, 2, 140)
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4,
+                       presence_penalty=0.2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, logit_bias=((tok.encode(" self")[0], 3.0),),
+                       ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=("):",), stop_token_ids=(tok.encode("\n")[0],),
+                       min_tokens=5),
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=5, ignore_eos=True),
+        SamplingParams(max_tokens=60, temperature=0.0, guided_json='{"type": "object", "properties": {"a": '
+                       '{"type": "array", "items": {"type": "integer"}}}, "required": ["a"]}'),
+    ]
+    for params in cases:
+        outs = [Engine(model, tok, EngineConfig(kv_slots=8192, **kn)).generate(prompts, params)
+                for kn in ({}, {"spec": "ngram"})]
+        for a, b in zip(*outs):
+            assert a[0].output_ids == b[0].output_ids and a[0].finish_reason == b[0].finish_reason, params
+            assert a[0].text == b[0].text
+    # logprobs through a verify piece: every token's entries, streamed in chunks of several tokens
+    params = cases[3]
+    got = []
+    for kn in ({}, {"spec": "ngram"}):
+        engine = Engine(model, tok, EngineConfig(kv_slots=8192, **kn))
+        rid = engine.add_request(prompts[0], params)
+        entries, multi = [], 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    entries += out.new_logprobs
+                    multi += len(out.new_token_ids) > 1
+        got.append((entries, multi))
+    (plain, _), (spec, multi) = got
+    assert multi > 0 and len(plain) == len(spec) == 40
+    for (c1, top1), (c2, top2) in zip(plain, spec):
+        assert abs(c1 - c2) < 1e-4
+        assert [i for i, _ in top1] == [i for i, _ in top2]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(top1, top2)) < 1e-4
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution(kda):
+    """Real verify-piece logits of kda-tiny (temperature 1.3, top_k 6, so the vocabulary slice is the 6 tokens
+    top-k keeps): over 6000 seeded draws, the first emitted token follows the target's distribution at row 0, and
+    the second, among draws that accepted the first draft, row 1's (chi-square, 5 degrees of freedom, below
+    the 0.999 quantile 20.5). Drafts are the second most likely tokens, so both branches are exercised."""
+    model, tok = kda
+    prompt = _prompts(tok, 1, 80)[0]
+    params = SamplingParams(max_tokens=8, temperature=1.3, top_k=6)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor(prompt), BatchLayout((80,), (0,)), ContiguousKV(), None, all_logits=True)
+    rows = logits[-3:].float()  # rows 0..2 of a verify piece: prompt[-3] is x0, prompt[-2:] the drafts' positions
+    from app.engine.sampling import token_probs
+    p = [token_probs(r, 1.3, 1.0, 6) for r in rows]
+    drafts = (int(p[0].topk(2).indices[1]), int(p[1].topk(2).indices[1]))
+    first, second = torch.zeros(len(p[0])), torch.zeros(len(p[0]))
+    for seed in range(6000):
+        seq = Sequence("r", 0, prompt, params)
+        seq.generator = torch.Generator().manual_seed(seed)
+        out = accept(seq, drafts, rows, (), None)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    for counts, probs in ((first, p[0]), (second, p[1])):
+        keep = probs > 0
+        assert int(keep.sum()) == 6 and counts[~keep].sum() == 0
+        assert _chi_square(counts[keep], probs[keep]) < 20.5
+    assert 0.05 < first[drafts[0]] / 6000 < 0.95
+
+
+def test_depth_adapts_to_each_sequences_own_acceptance():
+    """Depth from the sequence's own acceptance: it grows with acceptance, falls to 0 when drafts are rejected,
+    and one draft is tried again after PROBE_AFTER plain steps."""
+    drafter = NgramDrafter(EngineConfig(spec="ngram", spec_tokens=6))
+    st = SpecState()
+    st.alpha = 0.95
+    assert drafter.depth(st) == 6
+    st.alpha = 0.05
+    assert drafter.depth(st) == 0
+    seq = Sequence("r", 0, [1, 2, 3, 4, 1, 2, 3], SamplingParams())
+    seq.spec = st
+    assert [drafter.propose(seq, 4) for _ in range(PROBE_AFTER - 1)] == [()] * (PROBE_AFTER - 1)
+    assert drafter.propose(seq, 4) == (4,)
+
+
+def test_a_seeded_sampled_request_gives_the_same_output_whatever_runs_beside_it(kda):
+    """Depth and acceptance use only the sequence's own history and generator, so a seeded request's output
+    with speculation does not depend on the batch."""
+    model, tok = kda
+    prompts = _prompts(tok, 5, 120)
+    params = SamplingParams(max_tokens=40, temperature=0.3, seed=7, ignore_eos=True)
+    alone, _ = _run(model, tok, prompts[:1], params, spec="ngram")
+    batched, engine = _run(model, tok, prompts, params, spec="ngram")
+    assert alone[0] == batched[0]
+    assert engine.snapshot()["spec_accepted_tokens"] > 0
