@@ -154,7 +154,8 @@ class EngineReplica:
             # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
             "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0),
         }
-        flat = {k: v for k, v in snap.items() if not isinstance(v, dict)}
+        # the flat fields, and the acceptance histogram's counts (/metrics' spec_decode_acceptance_length)
+        flat = {k: v for k, v in snap.items() if not isinstance(v, dict) or k == "spec_accepted_per_verify"}
         running = self._setting()
         await self._controller.call("report", window, flat, running)
         version, setting = await self._controller.call("assignment", self.replica_id, running)

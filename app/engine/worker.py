@@ -178,11 +178,10 @@ class Worker:
         rows, last = _logit_rows(batch)
         picked = None if rows is None else host_to_device(rows, self.device)
         # the model never writes its input states; a verify piece's slot keeps the state before the piece until
-        # `rollback` (which replays from it)
-        if len(slots) == 1:  # read the slot in place, one copy back
+        # `rollback`, and its records replay from a copy of it (gathered), which checkpoints read after the rollback
+        if len(slots) == 1 and not batch.verify:  # read the slot in place, one copy back
             logits, new_states = self.model(ids, layout, kv, self.states.view(slots[0]), logit_rows=picked)
-            if not batch.verify:
-                self.states.write(slots[0], new_states)
+            self.states.write(slots[0], new_states)
         else:
             logits, new_states = self.model(ids, layout, kv, self.states.gather(slots), logit_rows=picked)
             keep = [i for i in range(len(slots)) if i not in batch.verify]

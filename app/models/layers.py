@@ -229,7 +229,9 @@ def _short_blocks(layer, q, entries, layout: BatchLayout, kv: AttentionKV, seqs:
         kept = [b * t_max + j for b, n in enumerate(lens) for j in range(n)]
         return layout.tensor(rows), layout.tensor(padded), layout.tensor(kept)
 
-    rows, padded, kept = layout.memo(("short_rows", tuple(seqs)), tables)
+    # every row of the step, in order and unpadded (one verify piece alone, or all of equal length): no gathers
+    whole = seqs == list(range(layout.num_seqs)) and t_max == min(lens)
+    rows, padded, kept = (slice(None),) * 3 if whole else layout.memo(("short_rows", tuple(seqs)), tables)
     history = kv.extend_padded(layer, seqs, entries[rows], lens)  # [B, S_max, W]
     b, s_max = history.shape[:2]
     mask = layout.memo(("short_mask", s_max), lambda: _length_mask(layout.positions[padded] + 1, s_max).view(

@@ -20,6 +20,7 @@ from app.ops import (
     chunk_with_replay,
     conv_states_at,
     conv_step,
+    conv_steps,
     gated_delta_step,
     state_after,
 )
@@ -30,35 +31,42 @@ SplitQKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 @dataclass
 class VerifyInputs:
-    """One layer's rollback record of one speculative verify piece of T tokens: the state before it (conv0, ssm0:
-    the sequence's slot, untouched until the rollback), its raw conv inputs x [T, C], the replay inputs
-    (k [H, T, K], G [H, T, D], delta [H, T, V]: see `chunk_with_replay`) and the state after all T tokens."""
+    """One layer's rollback record of one speculative verify piece of n tokens, as row j of its group's tensors
+    (sliced only when a rollback reads it): the state before the piece (conv0 [G, C, W-1], ssm0 [G, H, K, V]:
+    the sequences' slots, untouched until the rollback), the raw conv inputs x [G, T, C], the replay inputs
+    (k [G, H, T, K], G [G, H, T, D], delta [G, H, T, V]: see `chunk_with_replay`) and the states after the
+    group's T tokens (conv, ssm)."""
 
+    j: int
+    n: int
     conv0: torch.Tensor
     ssm0: torch.Tensor
     x: torch.Tensor
     k: torch.Tensor
     G: torch.Tensor
     delta: torch.Tensor
-    conv: torch.Tensor | None  # None for a piece padded in its group: then replayed at T too
-    ssm: torch.Tensor | None
+    conv: torch.Tensor
+    ssm: torch.Tensor
 
     @property
     def length(self) -> int:
-        return self.x.shape[0]
+        return self.n
 
     def state_at(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [C, W-1], ssm [H, K, V]) after the first t tokens (1 <= t <= T) of the piece: replayed from the
-        state before it, or the pass's own final state at t = T (unless the piece was padded)."""
-        if t == self.length and self.ssm is not None:
-            return self.conv, self.ssm
+        """(conv [C, W-1], ssm [H, K, V]) after the first t tokens (1 <= t <= n) of the piece: replayed from the
+        state before it, or the pass's own final state at t = T (a piece padded to T replays at n too: its final
+        state came through the padding)."""
+        j = self.j
+        if t == self.x.shape[1]:
+            return self.conv[j], self.ssm[j]
         w = self.conv0.shape[-1]
-        xs = torch.cat([self.conv0, self.x[:t].transpose(0, 1).to(self.conv0.dtype)], dim=-1)
-        return xs[:, t : t + w], state_after(self.ssm0, self.k[:, :t], self.G[:, :t], self.delta[:, :t])
+        xs = torch.cat([self.conv0[j], self.x[j, :t].transpose(0, 1).to(self.conv0.dtype)], dim=-1)
+        return xs[:, t : t + w], state_after(self.ssm0[j], self.k[j, :, :t], self.G[j, :, :t], self.delta[j, :, :t])
 
     def replay_bytes(self) -> int:
         """Bytes this record keeps beyond the two states (the slot's, and the final one): the per-token inputs."""
-        return sum(t.numel() * t.element_size() for t in (self.x, self.k, self.G, self.delta))
+        per_token = (t[0].numel() // t.shape[-2] * t.element_size() for t in (self.x, self.k, self.G, self.delta))
+        return self.n * sum(per_token)
 
 
 def recurrent_mix(
@@ -127,15 +135,18 @@ def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, spli
         for j, i in enumerate(seqs):
             new_conv[i], new_ssm[i] = c[j], s[j]
     if verify:
-        out, records = _verify_pieces(mixed, g, beta, layout, list(verify), out, new_conv, new_ssm, conv_weight,
-                                      conv_state, ssm_state, split)
+        out, records, conv, ssm = _verify_pieces(mixed, g, beta, layout, list(verify), out, new_conv, new_ssm,
+                                                 conv_weight, conv_state, ssm_state, split)
+        if conv is not None:  # every sequence verified, in one unpadded group
+            return out, conv, ssm, records
     return out, torch.stack(new_conv), torch.stack(new_ssm), records
 
 
 def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_weight, conv_state, ssm_state, split):
     """The verify pieces `seqs` as one [G, T_max] group: shorter pieces are padded (their padding rows repeat the
     piece's last row, with beta and g zeroed after the conv, so they leave the state unchanged) and the chunked
-    pass runs with chunk size T_max. Fills `out` and the final states; returns out and the records."""
+    pass runs with chunk size T_max. Fills `out` and the final states; returns out, the records and, when the
+    pieces are the whole batch unpadded, the final conv and ssm states as they are (else None, None: filled in)."""
     lens = [layout.extend_lens[i] for i in seqs]
     t_max = max(lens)
 
@@ -144,32 +155,43 @@ def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_we
         real = [b * t_max + j for b, n in enumerate(lens) for j in range(n)]
         rows = [r for i in seqs for r in range(layout.offsets[i], layout.offsets[i + 1])]
         pad = [[j >= n for j in range(t_max)] for n in lens]
-        return layout.tensor(padded), layout.tensor(real), layout.tensor(rows), torch.tensor(pad, device=layout.device)
+        return (layout.tensor(padded), layout.tensor(real), layout.tensor(rows),
+                torch.tensor(pad, device=layout.device), layout.tensor(seqs))
 
-    padded, real, rows, pad = layout.memo(("verify_rows", tuple(seqs)), tables)
     G_ = len(seqs)
-    x = mixed[padded].view(G_, t_max, -1)
-    gg = g[padded].view(G_, t_max, *g.shape[1:])
-    bb = beta[padded].view(G_, t_max, -1)
-    if t_max != min(lens):
-        bb = bb.masked_fill(pad[..., None], 0.0)
-        gg = gg.masked_fill(pad.view(G_, t_max, *(1,) * (gg.dim() - 2)), 0.0)
-    idx = layout.tensor(seqs)
-    c0 = conv_state[idx] if conv_state is not None else x.new_zeros(G_, x.shape[-1], conv_weight.shape[-1] - 1)
-    y, conv_new = causal_conv1d(x, conv_weight, None, c0, "silu")
+    whole = seqs == list(range(layout.num_seqs)) and t_max == min(lens)  # all verify, unpadded: no gathers
+    if whole:
+        x, gg, bb = mixed.view(G_, t_max, -1), g.view(G_, t_max, *g.shape[1:]), beta.view(G_, t_max, -1)
+        c0, s0 = conv_state, ssm_state
+    else:
+        padded, real, rows, pad, idx = layout.memo(("verify_rows", tuple(seqs)), tables)
+        x = mixed[padded].view(G_, t_max, -1)
+        gg = g[padded].view(G_, t_max, *g.shape[1:])
+        bb = beta[padded].view(G_, t_max, -1)
+        if t_max != min(lens):
+            bb = bb.masked_fill(pad[..., None], 0.0)
+            gg = gg.masked_fill(pad.view(G_, t_max, *(1,) * (gg.dim() - 2)), 0.0)
+        c0 = None if conv_state is None else conv_state[idx]
+        s0 = None if ssm_state is None else ssm_state[idx]
+    if c0 is None:
+        c0 = x.new_zeros(G_, x.shape[-1], conv_weight.shape[-1] - 1)
+    y, conv_new = conv_steps(x, conv_weight, c0)
     q, k, v = split(y)
-    s0 = ssm_state[idx] if ssm_state is not None else q.new_zeros(G_, q.shape[2], q.shape[3], v.shape[-1],
-                                                                  dtype=torch.float32)
+    if s0 is None:
+        s0 = q.new_zeros(G_, q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
     o, s, (kk, GG, delta) = chunk_with_replay(q, k, v, gg, bb, initial_state=s0, chunk_size=t_max)
-    o = o.reshape(-1, *o.shape[2:])[real]
-    out = (o.new_zeros(mixed.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, rows, o)
-    records = {}
-    for j, (i, n) in enumerate(zip(seqs, lens)):
+    o = o.reshape(-1, *o.shape[2:])
+    if whole:
+        out = o
+    else:
+        out = (o.new_zeros(mixed.shape[0], *o.shape[1:]) if out is None else out).index_copy(0, rows, o[real])
+    records = {("verify", i): VerifyInputs(j, n, c0, s0, x, kk, GG, delta, conv_new, s)
+               for j, (i, n) in enumerate(zip(seqs, lens))}
+    if whole:
+        return out, records, conv_new, s
+    for j, i in enumerate(seqs):
         new_conv[i], new_ssm[i] = conv_new[j], s[j]
-        full = n == t_max  # a padded piece's final states came through its padding: its record replays them
-        records[("verify", i)] = VerifyInputs(c0[j], s0[j], x[j, :n], kk[j, :, :n], GG[j, :, :n], delta[j, :, :n],
-                                              conv_new[j] if full else None, s[j] if full else None)
-    return out, records
+    return out, records, None, None
 
 
 def _run_with_snapshots(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, split, per_channel_gate,

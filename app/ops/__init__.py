@@ -12,7 +12,7 @@ import torch
 from app.ops.chunk import chunk_gdn, chunk_kda, chunk_states_at, chunk_with_replay, state_after
 from app.ops.conv import causal_conv1d, conv_states_at, naive_causal_conv1d
 from app.ops.naive import naive_gdn, naive_kda
-from app.ops.step import conv_step, gated_delta_step
+from app.ops.step import conv_step, conv_steps, gated_delta_step
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -28,6 +28,7 @@ __all__ = [
     "chunk_with_replay",
     "conv_states_at",
     "conv_step",
+    "conv_steps",
     "gated_delta_step",
     "l2norm",
     "naive_causal_conv1d",

@@ -22,6 +22,7 @@ recurrence loops in Python. Differentiable with autograd (no in-place ops). KDA 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -114,24 +115,28 @@ def chunk_with_replay(
     out_dtype = q.dtype
     S0 = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
     # one chunk of T tokens, [B, H, T, *], without the general form's padding to chunk_size and its blocking:
-    # a verify piece is a few tokens, where the op count is the cost
+    # a verify piece is a few tokens, where the number of ops dispatched is the cost
     q, k, v, g = (x.float().transpose(1, 2) for x in (q, k, v, g))
-    beta = beta.float().transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+    bt = beta.float().transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+    kb = k * bt
+    qs = q * scale
     G = g.cumsum(dim=-2)
-    decay = _masked_exp(G.unsqueeze(-2) - G.unsqueeze(-3), _causal(T, G.device))  # [B, H, T_i, T_j, D]
-    if G.shape[-1] == 1:
+    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(_above(T, G.device), float("-inf")).exp_()
+    if G.shape[-1] == 1:  # per head: [B, H, T_i, T_j]
         decay = decay.squeeze(-1)
-        Aqk, A = (q @ k.transpose(-1, -2)) * decay, ((k * beta) @ k.transpose(-1, -2)) * decay
-    else:
-        kd = decay * k.unsqueeze(-3)  # [B, H, T_i, T_j, K]: k_j exp(G_i - G_j)
-        Aqk, A = (kd @ q.unsqueeze(-1)).squeeze(-1), (kd @ (k * beta).unsqueeze(-1)).squeeze(-1)
+        Aqk, A = (qs @ k.transpose(-1, -2)) * decay, (kb @ k.transpose(-1, -2)) * decay
+    else:  # per channel: k_j exp(G_i - G_j) against q_i and beta_i k_i in one matmul
+        qk = (decay * k.unsqueeze(-3)) @ torch.stack([qs, kb], dim=-1)  # [B, H, T_i, T_j, 2]
+        Aqk, A = qk[..., 0], qk[..., 1]
     from_start = G.exp()
-    rhs = torch.cat([v * beta, k * beta * from_start], dim=-1)
-    u, w = torch.linalg.solve_triangular(A.tril(-1), rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], K], dim=-1)
-    delta = u - w @ S0  # [B, H, T, V]
-    o = (q * scale * from_start) @ S0 + (Aqk * scale) @ delta
-    S = state_after(S0, k, G, delta)
+    kf = kb * from_start  # beta_i k_i exp(G_i)
+    # the delta-rule corrections solve (I + strictly lower A) delta = beta v - (beta k exp(G)) S0 (unitriangular:
+    # A's diagonal and upper part are not read)
+    delta = torch.linalg.solve_triangular(A, v * bt - kf @ S0, upper=False, unitriangular=True)  # [B, H, T, V]
+    o = (qs * from_start) @ S0 + Aqk @ delta
+    # the state after all T: the decay matrix's last row is exp(G_T - G_j), as `state_after` computes it
+    last = decay[..., -1, :, None] if G.shape[-1] == 1 else decay[..., -1, :, :]  # [B, H, T_j, D]
+    S = S0 * from_start[..., -1:, :].transpose(-1, -2) + (k * last).transpose(-1, -2) @ delta
     return o.transpose(1, 2).to(out_dtype), S, (k, G, delta)
 
 
@@ -254,6 +259,12 @@ def _kda_intra(q, k_beta, k, G):
 def _causal(C: int, device) -> torch.Tensor:
     """[C, C] bool, True where i >= j."""
     return torch.ones(C, C, dtype=torch.bool, device=device).tril()
+
+
+@functools.lru_cache(maxsize=64)
+def _above(T: int, device) -> torch.Tensor:
+    """[T, T, 1] bool, True where j > i (a cached mask: a verify piece's size repeats every step)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1).unsqueeze(-1)
 
 
 def _masked_exp(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

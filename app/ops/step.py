@@ -66,3 +66,18 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tup
     """
     xs = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, W], the state keeps x's dtype
     return F.silu((xs.float() * weight.float()).sum(-1)).to(x.dtype), xs[:, :, 1:]
+
+
+def conv_steps(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """T inputs at once with `conv_step`'s arithmetic per position (a speculative verify piece: a few tokens,
+    where F.conv1d's setup costs more than the sum).
+
+    Args:
+        x: [B, T, C]; weight: [C, W]; state: [B, C, W-1]
+    Returns:
+        y: [B, T, C] in x's dtype; the new state [B, C, W-1], the last W-1 inputs
+    """
+    W = weight.shape[-1]
+    xs = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
+    y = (xs.float().unfold(-1, W, 1) * weight.float()[:, None, :]).sum(-1)  # [B, C, T]
+    return F.silu(y).transpose(1, 2).to(x.dtype), xs[:, :, xs.shape[-1] - (W - 1) :]

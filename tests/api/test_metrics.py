@@ -1,8 +1,11 @@
 """/metrics with vLLM's names under `dasc:` through the local backend on a real kda-tiny engine of its own (so the
-counts start at 0), checked against the responses' usage; and the prefix cache counters' handling of replicas
-that restart or leave. tests/deployments/test_serve.py checks the same names through the Ray ingress."""
+counts start at 0), checked against the responses' usage; the speculative decoding counters of a spec engine,
+checked against its telemetry; and the prefix cache counters' handling of replicas that restart or leave.
+tests/deployments/test_serve.py checks the same names through the Ray ingress."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -62,6 +65,65 @@ async def test_vllm_names_count_what_the_responses_report(app):
     assert value(page, "dasc:num_requests_running", **MODEL) == 0
     assert value(page, "dasc:num_requests_waiting", **MODEL) == 0
     assert value(page, "dasc_ttft_seconds_count") == generations  # our own names keep working
+
+
+@pytest.fixture(scope="module")
+def spec_backend():
+    """A LocalBackend over a kda-tiny engine of its own with prompt lookup speculation (spec_tokens 4)."""
+    model, tok = load_zoo("kda-tiny")
+    local = LocalBackend(Engine(model, tok, replace(CONFIG, spec="ngram")), model_name="kda-tiny")
+    yield local
+    local.engine.shutdown()
+
+
+SPEC_SERIES = ("dasc:spec_decode_num_drafts_total", "dasc:spec_decode_num_draft_tokens_total",
+               "dasc:spec_decode_num_accepted_tokens_total", "dasc:spec_decode_acceptance_length_count",
+               "dasc:spec_decode_acceptance_length_sum")
+SEEDS = ("def area(radius):\n", "import os\n\n\nclass Cache:\n")
+
+
+async def test_spec_decode_counters_and_acceptance_histogram_match_the_engine(spec_backend):
+    """Per seed: its greedy continuation, then seed + continuation + seed, which the model continues as before, so
+    prompt lookup drafts it and the drafts are accepted. After each seed /metrics shows the engine's verify pieces,
+    drafts and accepted drafts (its telemetry, read right after the scrape with the engine idle), the acceptance
+    histogram is the engine's per-verify distribution bucket by bucket (count: verifies, sum: accepted); the
+    counters never decrease, and a scrape with no traffic in between adds nothing."""
+    app = build_api(spec_backend, ApiSettings(model_name="kda-tiny", api_key=KEY))
+    greedy = {"temperature": 0, "ignore_eos": True, "max_tokens": 32}
+    pages, snaps = [], []
+    async with client(app) as http:
+        for seed in SEEDS:
+            first = await http.post("/v1/completions", json={"prompt": seed, **greedy}, headers=AUTH)
+            again = seed + first.json()["choices"][0]["text"] + "\n\n" + seed
+            second = await http.post("/v1/completions", json={"prompt": again, **greedy}, headers=AUTH)
+            assert second.json()["usage"]["completion_tokens"] == 32
+            pages.append(metric_samples((await http.get("/metrics")).text))
+            snaps.append(spec_backend.engine.snapshot())
+        pages.append(metric_samples((await http.get("/metrics")).text))  # nothing ran since the last scrape
+    for page, snap in zip(pages, snaps + snaps[-1:]):
+        drafts = value(page, "dasc:spec_decode_num_drafts_total", **MODEL)
+        draft_tokens = value(page, "dasc:spec_decode_num_draft_tokens_total", **MODEL)
+        accepted = value(page, "dasc:spec_decode_num_accepted_tokens_total", **MODEL)
+        assert (drafts, draft_tokens, accepted) == (snap["spec_verifies"], snap["spec_drafted_tokens"],
+                                                    snap["spec_accepted_tokens"])
+        assert 0 < drafts <= draft_tokens <= 4 * drafts  # 1 to spec_tokens drafts per verify piece
+        assert 0 < accepted <= draft_tokens
+        hist = {int(a): n for a, n in snap["spec_accepted_per_verify"].items()}
+        assert value(page, "dasc:spec_decode_acceptance_length_count", **MODEL) == drafts == sum(hist.values())
+        assert value(page, "dasc:spec_decode_acceptance_length_sum", **MODEL) == accepted == sum(
+            a * n for a, n in hist.items())
+        buckets = {float(dict(labels)["le"]): v for (name, labels), v in page.items()
+                   if name == "dasc:spec_decode_acceptance_length_bucket"}
+        assert buckets.pop(float("inf")) == drafts
+        assert len(buckets) == 17  # le 0 .. 16, MAX_SPEC_TOKENS
+        for le, v in buckets.items():
+            assert v == sum(n for a, n in hist.items() if a <= le), le
+    assert snaps[0]["spec_accepted_tokens"] > 10  # the repeated prompts' drafts were mostly accepted
+    for name in SPEC_SERIES:
+        seen = [value(page, name, **MODEL) for page in pages]
+        assert seen[0] <= seen[1] == seen[2], name
+    assert value(pages[1], "dasc:spec_decode_num_drafts_total", **MODEL) > value(
+        pages[0], "dasc:spec_decode_num_drafts_total", **MODEL)
 
 
 def test_prefix_cache_counters_never_decrease_when_replicas_restart_or_leave():

@@ -4,8 +4,8 @@ Two replicas of kda-tiny behind the prefix-aware router. Checks the OpenAI API t
 replicas' streams (completion, chat, streaming, cached_tokens on the prefix's replica), /metrics and /status
 from the replicas' telemetry, prefix affinity after the stats refresh and the request ratio under skew; then a
 second deployment whose working set exceeds dense capacity, where the tuning controller must move off dense
-within a bounded number of windows. The routes alone (errors, echo, n > 1, include_usage) are tested
-in-process in tests/api.
+within a bounded number of windows; then one that stores only dasc checkpoints, and one with speculative
+decoding. The routes alone (errors, echo, n > 1, include_usage) are tested in-process in tests/api.
 
 Waits poll an observable condition until a deadline, never sleep a fixed time; the deadlines are generous,
 so that a loaded machine only makes the tests slower.
@@ -30,6 +30,9 @@ import torch
 from openai import OpenAI
 from ray import serve
 
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
 from deployments import controller as controller_mod
 from deployments.builder import build_app
 from tests.helpers import load_zoo, metric_samples
@@ -433,3 +436,52 @@ def test_a_lossless_request_never_resumes_from_a_compressed_checkpoint(cluster, 
     assert details(chat[1])["compressed_checkpoint"] is True
     assert details(chat[2])["compressed_checkpoint"] is False
     assert chat[2].choices[0].message.content == chat[0].choices[0].message.content
+
+
+def test_speculative_decoding_answers_as_plain_decoding_and_reports_accepted_drafts(cluster):
+    """A replica with `engine.speculative: {method: ngram, num_tokens: 4}`. Per seed, greedy: the seed's
+    continuation, then seed + continuation + seed, which the model continues by repeating itself, so prompt lookup
+    drafts it and the drafts are accepted. Every answer equals a local engine's without speculation (the same 32
+    tokens' text); once the replica reported after the last request, /metrics shows its verify pieces, drafts and
+    accepted drafts as its telemetry (/status) counts them, and the acceptance length histogram: one observation
+    per verify piece, summing to the accepted drafts, bucket by bucket the replica's per-verify counts (found by
+    it: the replicas pushed only their snapshot's flat fields, so the histogram's counts never reached /metrics)."""
+    serve.delete("dasc")
+    _kill_controller()
+    app = build_app({"model": "kda-tiny", "replicas": 1, "replica_cpus": 0.5,
+                     "engine": {"speculative": {"method": "ngram", "num_tokens": 4}},
+                     "controller": {"enabled": False, "window_s": 0.5}, "api": {"api_key": KEY}})
+    serve.run(app, name="dasc", route_prefix="/")
+    _wait_ready(cluster)
+    c = _client(cluster)
+    greedy = {"model": "kda-tiny", "max_tokens": 32, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    answers = []
+    for seed in ("def area(radius):\n", "import os\n\n\nclass Cache:\n", "for i in range(10):\n"):
+        first = c.completions.create(prompt=seed, **greedy)
+        again = seed + first.choices[0].text + "\n\n" + seed
+        answers += [(seed, first), (again, c.completions.create(prompt=again, **greedy))]
+    done = time.time()
+    model, tok = load_zoo("kda-tiny")
+    plain = Engine(model, tok, EngineConfig(kv_slots=8192)).generate(
+        [tok.encode(p) for p, _ in answers], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for (prompt, r), [out] in zip(answers, plain, strict=True):
+        assert r.choices[0].text == out.text, prompt
+        assert r.usage.completion_tokens == len(out.output_ids) == 32
+    replica = answers[-1][1].system_fingerprint.removeprefix("dasc-")
+    _wait_digests(cluster, {replica}, since=done)  # its snapshot now holds every request's verify pieces
+    snap = _replicas(cluster)[replica]
+    page = metric_samples(_get(f"{cluster}/metrics").text)
+    labels = frozenset({"model_name": "kda-tiny", "engine": replica}.items())
+    drafts = page[("dasc:spec_decode_num_drafts_total", labels)]
+    draft_tokens = page[("dasc:spec_decode_num_draft_tokens_total", labels)]
+    accepted = page[("dasc:spec_decode_num_accepted_tokens_total", labels)]
+    assert (drafts, draft_tokens, accepted) == (snap["spec_verifies"], snap["spec_drafted_tokens"],
+                                                snap["spec_accepted_tokens"])
+    assert 0 < drafts <= draft_tokens <= 4 * drafts
+    assert 10 < accepted <= draft_tokens
+    hist = {int(a): n for a, n in snap["spec_accepted_per_verify"].items()}  # JSON keys: accepted drafts
+    assert page[("dasc:spec_decode_acceptance_length_count", labels)] == drafts == sum(hist.values())
+    assert page[("dasc:spec_decode_acceptance_length_sum", labels)] == accepted == sum(a * n for a, n in hist.items())
+    for (name, sample), v in page.items():
+        if name == "dasc:spec_decode_acceptance_length_bucket" and dict(sample)["engine"] == replica:
+            assert v == sum(n for a, n in hist.items() if a <= float(dict(sample)["le"])), dict(sample)["le"]

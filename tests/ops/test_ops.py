@@ -22,13 +22,16 @@ from app.ops import (
     chunk_gdn,
     chunk_kda,
     chunk_states_at,
+    chunk_with_replay,
     conv_states_at,
     conv_step,
+    conv_steps,
     gated_delta_step,
     l2norm,
     naive_causal_conv1d,
     naive_gdn,
     naive_kda,
+    state_after,
 )
 
 NAIVE = {"gdn": naive_gdn, "kda": naive_kda}
@@ -122,6 +125,8 @@ def test_conv_step_matches_conv():
         ys.append(y)
     assert_close("y", y_ref, torch.stack(ys, dim=1), 1e-6)
     assert torch.equal(s_ref, s)
+    y5, s5 = conv_steps(x, weight, _conv_inputs(4, 5, 24, 4, "state", False)[3])
+    assert torch.equal(y5, torch.stack(ys, dim=1)) and torch.equal(s5, s)  # the same arithmetic per position
 
 
 @pytest.mark.parametrize("op, shape, init, decay", CHUNK_CASES)
@@ -193,6 +198,25 @@ def test_states_inside_the_pass_equal_prefix_runs(op):
         assert_close(f"state@{t}", NAIVE[op](*(x[:, :t] for x in (q, k, v, g, beta)), initial_state=S0)[1], state, 1e-5)
     with pytest.raises(ValueError, match="snapshot positions"):
         chunk_states_at([90], q, k, v, g, beta, initial_state=S0)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("decay", list(DECAYS))
+@pytest.mark.parametrize("T", [2, 5, 17])
+def test_replay_pass_matches_naive(op, decay, T):
+    """chunk_with_replay (a speculative verify piece, one chunk): o and the final state equal the naive loop's,
+    and `state_after` on its first t replay inputs equals the naive state after t tokens, for every t."""
+    q, k, v, g, beta, S0 = make_inputs(op, 3, T, 2, 16, 32, decay, init=True)
+    o, S, (kk, G, delta) = chunk_with_replay(q, k, v, g, beta, initial_state=S0, chunk_size=T)
+    o_ref, S_ref = NAIVE[op](q, k, v, g, beta, initial_state=S0)
+    assert_close("o", o_ref, o, RATIO[decay])
+    assert_close("state", S_ref, S, RATIO[decay])
+    for t in range(1, T + 1):
+        ref = NAIVE[op](*(x[:, :t] for x in (q, k, v, g, beta)), initial_state=S0)[1]
+        assert_close(f"state@{t}", ref, state_after(S0, kk[:, :, :t], G[:, :, :t], delta[:, :, :t]), RATIO[decay])
+    assert torch.equal(state_after(S0, kk, G, delta), S)
+    with pytest.raises(ValueError, match="fits one chunk"):
+        chunk_with_replay(q, k, v, g, beta, initial_state=S0, chunk_size=T - 1)
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
