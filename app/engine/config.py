@@ -98,6 +98,9 @@ class EngineConfig:
     spec_ngram_max: int = knob(4, "prompt lookup: longest suffix n-gram matched", ge=1)
     spec_ngram_min: int = knob(2, "prompt lookup: shortest suffix n-gram matched", ge=1)
     spec_draft_cost: float = knob(0.1, "adaptive depth: a verified draft token's cost, in decode steps", ge=0)
+    spec_max_batch: int = knob(4, "no drafts in a step that decodes more sequences than this (vLLM's "
+                               "disable_by_batch_size): a larger batch makes verifying them cost more than they save",
+                               ge=0)
 
     def __post_init__(self) -> None:
         for k in KNOBS.values():

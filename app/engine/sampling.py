@@ -62,28 +62,6 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_p: list[floa
     return out
 
 
-def token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
-                ) -> torch.Tensor:
-    """The distribution [V] that `sample_rows` draws one row's token from (temperature > 0), as dense float32
-    probabilities: what speculative decoding's rejection sampling accepts drafts against."""
-    x = logits.float()[None] / temperature
-    if min_p > 0:
-        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + math.log(min_p), float("-inf"))
-    if 0 < top_k < x.shape[-1]:
-        x = _top_k(x, [top_k])
-    probs = torch.softmax(x, dim=-1)
-    if top_p < 1.0:
-        weights, ids = nucleus(probs, torch.tensor([top_p], device=probs.device), x)
-        probs = weights if ids is None else torch.zeros_like(probs).scatter_(1, ids, weights)
-    return (probs / probs.sum())[0]
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from probabilities [V] (need not sum to 1) with one uniform from `generator`."""
-    u = torch.rand((), generator=generator, device="cpu").to(probs.device)
-    return int(_draw(probs[None], u[None])[0])
-
-
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows], without a copy when that is all of t (the usual case: one setting for the whole step)."""
     return t if len(rows) == t.shape[0] else t[rows]

@@ -40,6 +40,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.drafter = None  # speculative decoding: proposes drafts for decoding sequences (the engine sets it)
+        self._draft_turn = 0  # which decoding sequence is offered the draft room first (turns each step)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -105,16 +106,20 @@ class Scheduler:
 
     def _drafts(self, decoding: list[Sequence], budget: int) -> list[tuple[int, ...]]:
         """Each decoding sequence's drafts: none beyond what its max_tokens leaves after the token it emits
-        anyway, and all of them within the step's token budget (in order, the later ones trimmed)."""
-        if self.drafter is None:
+        anyway, and all of them within the step's token budget (the room is offered to the sequences in turn);
+        none when more than `spec_max_batch` sequences decode."""
+        if self.drafter is None or len(decoding) > self.cfg.spec_max_batch:
             return [()] * len(decoding)
         room = budget - len(decoding)
-        out = []
-        for seq in decoding:
+        out = [()] * len(decoding)
+        # the first pick of the room turns round the batch step by step, so every sequence gets its share
+        first = self._draft_turn % len(decoding)
+        self._draft_turn += 1
+        for i in [*range(first, len(decoding)), *range(first)]:
+            seq = decoding[i]
             limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
-            d = self.drafter.propose(seq, limit) if limit > 0 else ()
-            room -= len(d)
-            out.append(d)
+            out[i] = self.drafter.propose(seq, limit) if limit > 0 else ()
+            room -= len(out[i])
         return out
 
     def _piece(self, seq: Sequence, budget: int, scheduled: list[Work]) -> Work | None:

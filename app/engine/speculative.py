@@ -9,11 +9,16 @@ forward scores every draft:
     greedy:  accept d1 if argmax(row 0) == d1, then d2 against row 1, ...; at the first mismatch emit the
              row's own argmax instead; after k accepted drafts emit row k's pick (the bonus token)
 
-Sampled rows use rejection sampling against the deterministic draft: d_j is kept with probability p_j(d_j) (the
-target's sampling distribution at that row, after temperature, min_p, top-k and top-p); a rejection draws from p_j
-with d_j removed. The emitted tokens then follow the target's distribution exactly. Every row is processed as plain
-decoding would process it at that position (penalties, logit_bias, min_tokens, grammar), with the earlier
-accepted drafts counted as output.
+Sampled rows use rejection sampling against the deterministic draft, coupled to plain decoding: row j draws the
+token y_j that plain decoding would sample there (`sample_rows`, one uniform from the request's generator), and
+d_j is kept when y_j == d_j; otherwise y_j is emitted and the piece ends. So d_j is kept with probability p_j(d_j)
+(the target's sampling distribution at that row, after temperature, min_p, top-k and top-p) and a rejection
+emits a token from p_j with d_j removed: standard rejection sampling for a draft that puts all its mass on one
+token, whose emitted tokens follow the target's distribution exactly. The coupling adds that the generator
+advances once per emitted token, as in plain decoding, so a seeded request emits plain decoding's tokens
+whatever was drafted (up to logits differing in the last bits between a verify piece and a decode step). Every row
+is processed as plain decoding would process it at that position (penalties, logit_bias, min_tokens, grammar),
+with the earlier accepted drafts counted as output.
 
 The state after the piece covers all 1 + k tokens; `Worker.rollback` brings it back to the tokens that stay.
 
@@ -33,7 +38,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.logits import needs_processing, process
-from app.engine.sampling import draw, token_probs
+from app.engine.sampling import sample_rows
 
 ALPHA_START = 0.5  # the acceptance estimate before a sequence's first verify step
 ALPHA_WEIGHT = 0.3  # weight of the newest verify step in the estimate
@@ -144,13 +149,10 @@ def accept(seq, drafts: tuple[int, ...], rows: torch.Tensor | list[int], end_ids
             tok = int(row.argmax())
             if tok != d:
                 return out + [tok]
-        else:
-            probs = token_probs(row, p.temperature, p.top_p, p.top_k, p.min_p)
-            if d is None:
-                return out + [draw(probs, seq.generator)]
-            u = float(torch.rand((), generator=seq.generator, device="cpu"))
-            if u >= float(probs[d]):  # rejected: draw from the rest of the distribution
-                return out + [draw(probs.index_fill(0, torch.tensor([d], device=probs.device), 0.0), seq.generator)]
+        else:  # the token plain decoding samples here (same call, same generator); the draft stays if it is that
+            tok = sample_rows(row[None], [p.temperature], [p.top_p], [p.top_k], [seq.generator], [p.min_p])[0]
+            if tok != d:
+                return out + [tok]
         out.append(d)
     raise AssertionError("unreachable: the last row always emits")
 

@@ -34,8 +34,8 @@ class VerifyInputs:
     """One layer's rollback record of one speculative verify piece of n tokens, as row j of its group's tensors
     (sliced only when a rollback reads it): the state before the piece (conv0 [G, C, W-1], ssm0 [G, H, K, V]:
     the sequences' slots, untouched until the rollback), the raw conv inputs x [G, T, C], the replay inputs
-    (k [G, H, T, K], G [G, H, T, D], delta [G, H, T, V]: see `chunk_with_replay`) and the states after the
-    group's T tokens (conv, ssm)."""
+    (k [G, H, T, K], G [G, H, T, D], delta [G, H, T, V]: see `chunk_with_replay`) and the states after each
+    piece's own tokens (conv, ssm)."""
 
     j: int
     n: int
@@ -53,20 +53,21 @@ class VerifyInputs:
         return self.n
 
     def state_at(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [C, W-1], ssm [H, K, V]) after the first t tokens (1 <= t <= n) of the piece: replayed from the
-        state before it, or the pass's own final state at t = T (a piece padded to T replays at n too: its final
-        state came through the padding)."""
+        """(conv [C, W-1], ssm [H, K, V]) after the first t tokens (1 <= t <= n) of the piece: the pass's own
+        final states at t = n (padding leaves the ssm state as it was, and the conv state is taken after the
+        piece's own tokens), else replayed from the state before the piece."""
         j = self.j
-        if t == self.x.shape[1]:
+        if t == self.n:
             return self.conv[j], self.ssm[j]
         w = self.conv0.shape[-1]
         xs = torch.cat([self.conv0[j], self.x[j, :t].transpose(0, 1).to(self.conv0.dtype)], dim=-1)
         return xs[:, t : t + w], state_after(self.ssm0[j], self.k[j, :, :t], self.G[j, :, :t], self.delta[j, :, :t])
 
     def replay_bytes(self) -> int:
-        """Bytes this record keeps beyond the two states (the slot's, and the final one): the per-token inputs."""
+        """Bytes a rollback can read beyond the two states (the slot's, and the final one): the per-token inputs
+        of the piece's first n - 1 tokens (a state after all n is the final one), one token per draft."""
         per_token = (t[0].numel() // t.shape[-2] * t.element_size() for t in (self.x, self.k, self.G, self.delta))
-        return self.n * sum(per_token)
+        return (self.n - 1) * sum(per_token)
 
 
 def recurrent_mix(
@@ -109,7 +110,7 @@ def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, spli
             t = groups[0][0]
             return (*_run_group(mixed.view(b, t, -1), g.view(b, t, *g.shape[1:]), beta.view(b, t, -1), conv_weight,
                                 conv_state, ssm_state, split, per_channel_gate, chunk_size), {})
-    else:
+    else:  # decode rows stay a group of their own: padded to a verify piece's length they would cost its compute
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(layout.extend_lens):
             if i not in verify:
@@ -144,9 +145,10 @@ def _run_groups(mixed, g, beta, layout, conv_weight, conv_state, ssm_state, spli
 
 def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_weight, conv_state, ssm_state, split):
     """The verify pieces `seqs` as one [G, T_max] group: shorter pieces are padded (their padding rows repeat the
-    piece's last row, with beta and g zeroed after the conv, so they leave the state unchanged) and the chunked
-    pass runs with chunk size T_max. Fills `out` and the final states; returns out, the records and, when the
-    pieces are the whole batch unpadded, the final conv and ssm states as they are (else None, None: filled in)."""
+    piece's last row, with beta and g zeroed after the conv, so they leave the ssm state unchanged; each piece's
+    conv state is taken after its own tokens) and the chunked pass runs with chunk size T_max. Fills `out` and
+    the final states; returns out, the records and, when the pieces are the whole batch unpadded, the final conv
+    and ssm states as they are (else None, None: filled in)."""
     lens = [layout.extend_lens[i] for i in seqs]
     t_max = max(lens)
 
@@ -155,8 +157,11 @@ def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_we
         real = [b * t_max + j for b, n in enumerate(lens) for j in range(n)]
         rows = [r for i in seqs for r in range(layout.offsets[i], layout.offsets[i + 1])]
         pad = [[j >= n for j in range(t_max)] for n in lens]
+        w = conv_weight.shape[-1] - 1  # piece b's conv state: columns n_b .. n_b + w - 1 of concat(state, x)
+        after = [[n + c for c in range(w)] for n in lens]
         return (layout.tensor(padded), layout.tensor(real), layout.tensor(rows),
-                torch.tensor(pad, device=layout.device), layout.tensor(seqs))
+                torch.tensor(pad, device=layout.device), layout.tensor(seqs),
+                layout.tensor(after).view(len(lens), 1, w))
 
     G_ = len(seqs)
     whole = seqs == list(range(layout.num_seqs)) and t_max == min(lens)  # all verify, unpadded: no gathers
@@ -164,7 +169,7 @@ def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_we
         x, gg, bb = mixed.view(G_, t_max, -1), g.view(G_, t_max, *g.shape[1:]), beta.view(G_, t_max, -1)
         c0, s0 = conv_state, ssm_state
     else:
-        padded, real, rows, pad, idx = layout.memo(("verify_rows", tuple(seqs)), tables)
+        padded, real, rows, pad, idx, after = layout.memo(("verify_rows", tuple(seqs)), tables)
         x = mixed[padded].view(G_, t_max, -1)
         gg = g[padded].view(G_, t_max, *g.shape[1:])
         bb = beta[padded].view(G_, t_max, -1)
@@ -176,6 +181,9 @@ def _verify_pieces(mixed, g, beta, layout, seqs, out, new_conv, new_ssm, conv_we
     if c0 is None:
         c0 = x.new_zeros(G_, x.shape[-1], conv_weight.shape[-1] - 1)
     y, conv_new = conv_steps(x, conv_weight, c0)
+    if t_max != min(lens):  # a padded piece's conv state: after its own tokens, not the padding
+        xs = torch.cat([c0.to(x.dtype), x.transpose(1, 2)], dim=-1)
+        conv_new = xs.gather(-1, after.expand(-1, xs.shape[1], -1))
     q, k, v = split(y)
     if s0 is None:
         s0 = q.new_zeros(G_, q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)

@@ -16,7 +16,8 @@ from app.cache.radix import RadixTree
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams, Sequence
-from app.engine.speculative import PROBE_AFTER, NgramDrafter, SpecState, accept
+from app.engine.sampling import naive_token_probs
+from app.engine.speculative import PROBE_AFTER, NgramDrafter, SpecState, accept, rollback_bytes_per_token
 from app.models.batch import BatchLayout, ContiguousKV
 from tests.helpers import load_zoo
 
@@ -200,8 +201,7 @@ def test_rejection_sampling_keeps_the_target_distribution(kda):
     with torch.no_grad():
         logits, _ = model(torch.tensor(prompt), BatchLayout((80,), (0,)), ContiguousKV(), None, all_logits=True)
     rows = logits[-3:].float()  # rows 0..2 of a verify piece: prompt[-3] is x0, prompt[-2:] the drafts' positions
-    from app.engine.sampling import token_probs
-    p = [token_probs(r, 1.3, 1.0, 6) for r in rows]
+    p = [naive_token_probs(r, 1.3, 1.0, 6) for r in rows]
     drafts = (int(p[0].topk(2).indices[1]), int(p[1].topk(2).indices[1]))
     first, second = torch.zeros(len(p[0])), torch.zeros(len(p[0]))
     for seed in range(6000):
@@ -233,13 +233,51 @@ def test_depth_adapts_to_each_sequences_own_acceptance():
     assert drafter.propose(seq, 4) == (4,)
 
 
-def test_a_seeded_sampled_request_gives_the_same_output_whatever_runs_beside_it(kda):
-    """Depth and acceptance use only the sequence's own history and generator, so a seeded request's output
-    with speculation does not depend on the batch."""
+def test_a_seeded_sampled_request_gives_plain_decodings_output_whatever_runs_beside_it(kda):
+    """Each sampled row of a verify piece draws the token plain decoding samples there from the request's own
+    generator, so a seeded request's output with speculation equals plain decoding's, alone or batched (at
+    temperature 0.6 as well as 0.3: the drafts are accepted on their merits, not forced)."""
     model, tok = kda
     prompts = _prompts(tok, 5, 120)
-    params = SamplingParams(max_tokens=40, temperature=0.3, seed=7, ignore_eos=True)
-    alone, _ = _run(model, tok, prompts[:1], params, spec="ngram")
-    batched, engine = _run(model, tok, prompts, params, spec="ngram")
-    assert alone[0] == batched[0]
-    assert engine.snapshot()["spec_accepted_tokens"] > 0
+    for temperature in (0.3, 0.6):
+        params = SamplingParams(max_tokens=40, temperature=temperature, seed=7, ignore_eos=True)
+        plain, _ = _run(model, tok, prompts, params)
+        alone, _ = _run(model, tok, prompts[:1], params, spec="ngram")
+        batched, engine = _run(model, tok, prompts, params, spec="ngram", spec_max_batch=8)
+        assert alone[0] == batched[0] == plain[0]
+        assert batched == plain
+        assert engine.snapshot()["spec_accepted_tokens"] > 0
+
+
+def test_no_drafts_in_a_step_that_decodes_more_than_spec_max_batch(kda):
+    """Three sequences decoding together: spec_max_batch 2 verifies no draft, 3 does; the output is plain
+    decoding's either way."""
+    model, tok = kda
+    prompts = _prompts(tok, 3, 120)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain, _ = _run(model, tok, prompts, params)
+    for limit, drafts in ((2, False), (3, True)):
+        out, engine = _run(model, tok, prompts, params, spec="ngram", spec_max_batch=limit)
+        assert out == plain
+        assert (engine.snapshot()["spec_verifies"] > 0) == drafts
+
+
+def test_rollback_state_kept_per_draft_token_is_what_the_geometry_says(kda):
+    """The worker's rollback records, per draft token: replay keeps each token's key, cumulative gate, delta and
+    raw conv input; snapshot mode a whole state per drafted position (`rollback_bytes_per_token`)."""
+    model, tok = kda
+    geo = [model.model.layers[i].mixer.geometry for i in model.linear_layers]
+    want = rollback_bytes_per_token([g.units for g in geo], geo[0].conv_channels, geo[0].conv_window,
+                                    model.model.embed_tokens.weight.element_size())
+    prompts = _prompts(tok, 2, 120)
+    for mode in ("replay", "snapshot"):
+        engine = Engine(model, tok, EngineConfig(kv_slots=8192, enable_cache=False, spec="ngram", spec_rollback=mode))
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        kept = drafted = 0
+        while engine.has_unfinished():
+            before = engine.telemetry.spec_drafted
+            engine.step()
+            kept += engine.worker.rollback_bytes()
+            drafted += engine.telemetry.spec_drafted - before
+        assert drafted > 0 and kept == drafted * want[mode]
