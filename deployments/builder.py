@@ -54,6 +54,7 @@ def _engine_args() -> type[BaseModel]:
 # `engine.speculative: {method: ngram, num_tokens: 4, ...}`: the spec_* knobs as one block
 SPECULATIVE_KEYS = {"method": "spec", "num_tokens": "spec_tokens", "rollback": "spec_rollback",
                     "ngram_max": "spec_ngram_max", "ngram_min": "spec_ngram_min", "draft_cost": "spec_draft_cost",
+                    "verify_cost": "spec_verify_cost",
                     "max_batch": "spec_max_batch"}
 
 

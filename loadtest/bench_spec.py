@@ -7,10 +7,14 @@ Workloads, prompts cut from the standard-library files the zoo's training held o
   - free: the snippet's first line only: free generation, where drafts rarely match.
 Arms, each a fresh engine without the prefix cache (decode is what is measured): plain (the engine's default,
 eager decode path), spec (`spec: ngram`, default depth 4, replay rollback) and, with --compiled, plain with
-`compile_decode` (its compile happens before timing). Each arm decodes `--max-tokens` tokens per sequence (ignore_eos)
-at batch B, greedy and sampled (temperature 0.8, seeded). The clock starts once every sequence has its first
-token (prefill is not timed) and stops at the last; tokens/s counts the tokens emitted meanwhile. Repeated
-`--repeats` times: medians, and the median of the per-repeat ratios spec / plain (same run, same prompts).
+`compile_decode` (its compile happens before timing). Each arm decodes `--max-tokens` tokens per sequence
+(ignore_eos) at batch B, greedy and sampled (temperature 0.8, seeded). The arms run side by side, one engine step
+each in turn, so that they share the machine's moods (this VM's speed drifts by 10% and more between seconds).
+Each arm's clock sums its own steps while all its B sequences decode: from the step after the last first token
+(prefill is not timed) to the step in which its first sequence finishes; tokens/s counts the tokens emitted
+meanwhile. (Sequences that speculate well finish early; what follows is a smaller batch decoding, which measures
+the closed batch's tail, not speculation. A server keeps its batch full with new requests.) Repeated `--repeats`
+times: medians, and the median of the per-repeat ratios spec / plain (same prompts, same seconds).
 Greedy spec output is checked token for token against plain (the run fails otherwise); for sampled output (coupled
 to plain decoding's draws) the share of sequences equal to plain's is printed.
 
@@ -62,24 +66,49 @@ def workloads(tok: Tokenizer, n: int) -> dict[str, list[list[int]]]:
     return {"edit": edit, "free": free}
 
 
-def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams
-                ) -> tuple[float, list[list[int]], float]:
-    """Tokens per second once every sequence has its first token; the outputs; and the tokens each sequence
-    emitted per step it took part in (1 for plain decoding)."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    started, counted, seq_steps, t0 = set(), 0, 0, None
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if t0 is not None and out.new_token_ids:
-                counted += len(out.new_token_ids)
-                seq_steps += 1
-            started.add(out.request_id)
+class _Run:
+    """One arm's requests of one repeat: its clock and counts (see `decode_rates`)."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.engine = engine
+        self.ids = [engine.add_request(p, params) for p in prompts]
+        self.started, self.final = set(), {}
+        self.counted = self.seq_steps = 0
+        self.clock = 0.0
+        self.window = "before"  # before -> open (every sequence decodes) -> closed (one finished)
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        outs = self.engine.step()
+        dt = time.perf_counter() - t
+        if self.window == "open":
+            self.clock += dt
+            for out in outs:
+                if out.new_token_ids:
+                    self.counted += len(out.new_token_ids)
+                    self.seq_steps += 1
+        for out in outs:
+            self.started.add(out.request_id)
             if out.finished:
-                final[out.request_id] = out.output_ids
-        if t0 is None and len(started) == len(ids):
-            t0 = time.perf_counter()
-    return counted / (time.perf_counter() - t0), [final[r] for r in ids], counted / max(seq_steps, 1)
+                self.final[out.request_id] = out.output_ids
+        if self.window == "open" and self.final:
+            self.window = "closed"
+        elif self.window == "before" and len(self.started) == len(self.ids):
+            self.window = "open"
+
+
+def decode_rates(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Per arm: tokens per second while all its sequences decode (from the step after the last first token to the
+    step in which the first one finishes, timing only its own steps), its outputs, and the tokens each sequence
+    emitted per step in that window (1 for plain decoding). The arms step in turn, one step each, so they share
+    whatever the machine does meanwhile."""
+    runs = {arm: _Run(e, prompts, params) for arm, e in engines.items()}
+    while any(r.engine.has_unfinished() for r in runs.values()):
+        for r in runs.values():
+            if r.engine.has_unfinished():
+                r.step()
+    return {arm: (r.counted / r.clock, [r.final[i] for i in r.ids], r.counted / max(r.seq_steps, 1))
+            for arm, r in runs.items()}
 
 
 def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: bool) -> tuple[list[dict], dict]:
@@ -93,7 +122,7 @@ def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: boo
     rows = []
     modes = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, seed=1)}
     for b in batches:
-        engines = {arm: Engine(model, tok, EngineConfig(kv_slots=65536, max_running=max(batches), enable_cache=False,
+        engines = {arm: Engine(model, tok, EngineConfig(kv_slots=65536, max_running=b, enable_cache=False,
                                                         **kn)) for arm, kn in arms.items()}
         for e in engines.values():  # warm-up (and the compiled arm's compile)
             e.generate(prompts["edit"][:b], SamplingParams(max_tokens=4, temperature=0.0))
@@ -105,8 +134,7 @@ def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: boo
                 before = engines["spec"].snapshot()
                 for _ in range(repeats):
                     outs = {}
-                    for arm, e in engines.items():
-                        rate, outs[arm], tokens_per_step = decode_rate(e, ps[:b], params)
+                    for arm, (rate, outs[arm], tokens_per_step) in decode_rates(engines, ps[:b], params).items():
                         rates[arm].append(rate)
                         if arm == "spec":
                             per_step.append(tokens_per_step)

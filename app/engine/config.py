@@ -97,7 +97,9 @@ class EngineConfig:
                                                  "token: replay its kept inputs, or snapshot every position")
     spec_ngram_max: int = knob(4, "prompt lookup: longest suffix n-gram matched", ge=1)
     spec_ngram_min: int = knob(2, "prompt lookup: shortest suffix n-gram matched", ge=1)
-    spec_draft_cost: float = knob(0.1, "adaptive depth: a verified draft token's cost, in decode steps", ge=0)
+    spec_verify_cost: float = knob(0.3, "adaptive depth: what a verify step costs beyond a decode step whatever its "
+                                   "drafts, in decode steps", ge=0)
+    spec_draft_cost: float = knob(0.05, "adaptive depth: what each verified draft token adds, in decode steps", ge=0)
     spec_max_batch: int = knob(4, "no drafts in a step that decodes more sequences than this (vLLM's "
                                "disable_by_batch_size): a larger batch makes verifying them cost more than they save",
                                ge=0)

@@ -23,10 +23,15 @@ with the earlier accepted drafts counted as output.
 The state after the piece covers all 1 + k tokens; `Worker.rollback` brings it back to the tokens that stay.
 
 Depth. Each sequence keeps an estimate of the chance that its next draft token is accepted (an exponential
-average over its own verify steps, never the batch's). With acceptance a and a verified draft token costing c
-decode steps (`spec_draft_cost`), k drafts yield (1 - a^(k+1)) / (1 - a) tokens for 1 + c k steps; the depth is
-the k that maximises that ratio, up to `spec_tokens`. When it is 0 the sequence decodes plainly and probes again
-with one draft after PROBE_AFTER steps. A seeded request's output therefore depends only on its own history.
+average over its own verify steps, never the batch's). A verify step costs more than a decode step whatever its
+drafts (c0 decode steps: `spec_verify_cost`, the verify path's fixed work) and more with each draft (c:
+`spec_draft_cost`). With acceptance a, k drafts yield (1 - a^(k+1)) / (1 - a) tokens for 1 + c0 + c k steps; the
+depth is the k that maximises that ratio if it beats plain decoding's 1, up to `spec_tokens`. When it is 0 the
+sequence decodes plainly and probes again with one draft after PROBE_AFTER steps, a wait that doubles after every
+verify that accepted nothing (up to PROBE_MAX) and resets when a draft is accepted. A new sequence probes at its
+first chance. In a batch every verify step makes the whole step pay the verify path's fixed cost, so the wait is
+counted in the batch's sequences: a batch probes as often as one sequence alone. A seeded request's output does
+not depend on the depth anyway (see the acceptance above).
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ from app.engine.config import EngineConfig
 from app.engine.logits import needs_processing, process
 from app.engine.sampling import sample_rows
 
-ALPHA_START = 0.5  # the acceptance estimate before a sequence's first verify step
+ALPHA_START = 0.3  # the acceptance estimate before a sequence's first verify step: depth 0, so it starts by a probe
 ALPHA_WEIGHT = 0.3  # weight of the newest verify step in the estimate
-PROBE_AFTER = 8  # plain decode steps before a sequence whose drafts did not pay tries one draft again
+PROBE_AFTER = 16  # plain decode steps before a sequence whose drafts did not pay tries one draft again
+PROBE_MAX = 256  # ... doubled after each verify that accepted nothing, up to this
 
 
 @dataclass
@@ -52,7 +58,8 @@ class SpecState:
     index: dict = field(default_factory=dict)  # (n, n-gram) -> end of its latest occurrence with a follower
     indexed: int = 0  # tokens[:indexed] are in the index
     alpha: float = ALPHA_START
-    idle: int = 0  # plain steps since the depth fell to 0
+    idle: int = 1 << 30  # plain steps since the depth fell to 0 (a new sequence probes at its first chance)
+    wait: int = PROBE_AFTER  # plain steps before the next probe
     drafted: int = 0
     accepted: int = 0
 
@@ -63,7 +70,7 @@ class NgramDrafter:
     n-gram to where it last ended, updated as tokens arrive, so a lookup costs O(ngram_max) whatever the length."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        self.max_tokens, self.cost = cfg.spec_tokens, cfg.spec_draft_cost
+        self.max_tokens, self.fixed, self.cost = cfg.spec_tokens, cfg.spec_verify_cost, cfg.spec_draft_cost
         self.ns = range(cfg.spec_ngram_max, cfg.spec_ngram_min - 1, -1)
 
     def depth(self, st: SpecState) -> int:
@@ -71,20 +78,22 @@ class NgramDrafter:
         a = min(st.alpha, 0.999)
         best, best_k = 1.0, 0
         for k in range(1, self.max_tokens + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost * k)
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + self.fixed + self.cost * k)
             if gain > best + 1e-9:
                 best, best_k = gain, k
         return best_k
 
-    def propose(self, seq, limit: int) -> tuple[int, ...]:
-        """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none)."""
+    def propose(self, seq, limit: int, batch: int = 1) -> tuple[int, ...]:
+        """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none). `batch`:
+        the sequences decoding in this step. A probe makes the whole step pay the verify path's fixed cost, so a
+        sequence at depth 0 probes `batch` times less often: the batch probes as often as one sequence alone."""
         st = seq.spec
         if st is None:
             st = seq.spec = SpecState()
         k = min(self.depth(st), limit)
         if k <= 0:
             st.idle += 1
-            if st.idle < PROBE_AFTER or limit <= 0:
+            if st.idle < st.wait * batch or limit <= 0:
                 return ()
             k = 1
         self._index(st, seq)
@@ -121,6 +130,7 @@ class NgramDrafter:
         if drafted:
             st.alpha = (1 - ALPHA_WEIGHT) * st.alpha + ALPHA_WEIGHT * accepted / drafted
             st.idle = 0
+            st.wait = PROBE_AFTER if accepted else min(2 * st.wait, PROBE_MAX)
 
 
 def accept(seq, drafts: tuple[int, ...], rows: torch.Tensor | list[int], end_ids, grammars) -> list[int]:

@@ -190,3 +190,23 @@ def test_the_shipped_concurrency_limits_reach_serve():
     assert options["EngineReplica"].max_ongoing_requests == args["max_ongoing_requests"] >= 32
     engine_side = args["replicas"] * args["max_ongoing_requests"] + args["max_queued_requests"]
     assert options["Ingress"].max_ongoing_requests > engine_side
+
+
+def test_the_speculative_block_sets_the_spec_knobs():
+    """`engine.speculative: {method, num_tokens, ...}` spreads onto the spec_* knobs (YAML's bare `off` is False);
+    unknown keys, a non-mapping and the same knob set both ways are refused naming `speculative`; the CLI's
+    `--spec ngram --spec-tokens 4` give the same config."""
+    block = {"method": "ngram", "num_tokens": 6, "rollback": "snapshot", "ngram_max": 5, "ngram_min": 3,
+             "draft_cost": 0.2, "max_batch": 2}
+    engine = ServeArgs(engine={"speculative": block}).engine
+    assert (engine.spec, engine.spec_tokens, engine.spec_rollback, engine.spec_ngram_max, engine.spec_ngram_min,
+            engine.spec_draft_cost, engine.spec_max_batch) == ("ngram", 6, "snapshot", 5, 3, 0.2, 2)
+    assert ServeArgs(engine={"speculative": {"method": False}}).engine.spec == "off"
+    for bad in ({"method": "ngram", "depth": 3}, ["ngram"], {"method": "draft_model"}):
+        with pytest.raises(ValidationError, match="spec"):
+            ServeArgs(engine={"speculative": bad})
+    with pytest.raises(ValidationError, match="same knob"):
+        ServeArgs(engine={"speculative": {"num_tokens": 3}, "spec_tokens": 3})
+    with pytest.raises(ValidationError, match="spec_tokens"):
+        ServeArgs(engine={"speculative": {"num_tokens": 17}})
+    assert engine_config(_parse("--spec", "ngram", "--spec-tokens", "4")) == EngineConfig(spec="ngram", spec_tokens=4)

@@ -220,9 +220,12 @@ def test_rejection_sampling_keeps_the_target_distribution(kda):
 
 def test_depth_adapts_to_each_sequences_own_acceptance():
     """Depth from the sequence's own acceptance: it grows with acceptance, falls to 0 when drafts are rejected,
-    and one draft is tried again after PROBE_AFTER plain steps."""
+    and one draft is tried again after PROBE_AFTER plain steps, a wait that doubles after each probe that accepted
+    nothing and resets when one is accepted."""
     drafter = NgramDrafter(EngineConfig(spec="ngram", spec_tokens=6))
     st = SpecState()
+    assert drafter.depth(st) == 0 and st.idle >= PROBE_AFTER  # a new sequence probes at its first chance
+    st.idle = 0
     st.alpha = 0.95
     assert drafter.depth(st) == 6
     st.alpha = 0.05
@@ -231,6 +234,12 @@ def test_depth_adapts_to_each_sequences_own_acceptance():
     seq.spec = st
     assert [drafter.propose(seq, 4) for _ in range(PROBE_AFTER - 1)] == [()] * (PROBE_AFTER - 1)
     assert drafter.propose(seq, 4) == (4,)
+    for wait in (2 * PROBE_AFTER, 4 * PROBE_AFTER):
+        drafter.record(seq, 1, 0)
+        assert [drafter.propose(seq, 4) for _ in range(wait - 1)] == [()] * (wait - 1)
+        assert drafter.propose(seq, 4) == (4,)
+    drafter.record(seq, 1, 1)
+    assert st.wait == PROBE_AFTER
 
 
 def test_a_seeded_sampled_request_gives_plain_decodings_output_whatever_runs_beside_it(kda):
