@@ -82,3 +82,26 @@ def test_tp2_config_fits_two_cpus():
     assert (cfg.replicas, cfg.tp_size, cfg.engine.device, cfg.placement, cfg.threads) == (2, 2, "cpu", "off", 1)
     bundles = _replica_resources(cfg)["placement_group_bundles"]
     assert len(bundles) == 2 and cfg.replicas * sum(b["CPU"] for b in bundles) <= 2
+
+
+def test_tp2_speculative_decoding_equals_tp1_plain():
+    """Speculative decoding on two ranks (every rank verifies and rolls its state shards back, and stores
+    checkpoints at accepted positions): greedy output equals plain decoding on one rank, drafts were accepted,
+    and a repeated prompt hits a checkpoint stored while speculating."""
+    cfg = EngineConfig(checkpoint_slots=64, interval=16, max_running=8, kv_slots=4096)
+    one = build_engine("kda-tiny", cfg, 1)
+    tok = one.tokenizer
+    snippet = tok.encode(open(__file__).read())[:120]
+    prompts = [snippet + snippet[:8], snippet[40:] + snippet[40:60]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [one.generate([p], params)[0][0].output_ids for p in prompts]
+    two = build_engine("kda-tiny", EngineConfig(**{**cfg.__dict__, "spec": "ngram"}), 2)
+    try:
+        outs = [two.generate([p], params)[0][0] for p in prompts]
+        assert [o.output_ids for o in outs] == plain
+        assert two.snapshot()["spec_accepted_tokens"] > 0
+        again = two.generate([prompts[0] + plain[0]], params)[0][0]
+        assert again.cached_tokens >= len(prompts[0]) - 1
+        assert again.output_ids == one.generate([prompts[0] + plain[0]], params)[0][0].output_ids
+    finally:
+        two.tp_group.close()
