@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     prod = production_bytes()
     publish(run, "decode", {"rows": rows, "rollback_bytes": {**zoo, **{k: {"computed": v} for k, v in prod.items()}}},
             _markdown(rows, zoo, {k: {"computed": v} for k, v in prod.items()}, args.compiled), args.out,
-            "Speculative decoding (bench_spec, CPU)")
+            "Speculative decoding")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ drafts (c0 decode steps: `spec_verify_cost`, the verify path's fixed work) and m
 depth is the k that maximises that ratio if it beats plain decoding's 1, up to `spec_tokens`. When it is 0 the
 sequence decodes plainly and probes again with one draft after PROBE_AFTER steps, a wait that doubles after every
 verify that accepted nothing (up to PROBE_MAX) and resets when a draft is accepted. A new sequence probes at its
-first chance. In a batch every verify step makes the whole step pay the verify path's fixed cost, so the wait is
-counted in the batch's sequences: a batch probes as often as one sequence alone. A seeded request's output does
+first chance. A probe needs a match of the longest n-gram (`spec_ngram_max`): in a batch every verify step makes
+the whole step pay the verify path's fixed cost, so probes wait for strong evidence. A seeded request's output does
 not depend on the depth anyway (see the acceptance above).
 """
 
@@ -83,22 +83,22 @@ class NgramDrafter:
                 best, best_k = gain, k
         return best_k
 
-    def propose(self, seq, limit: int, batch: int = 1) -> tuple[int, ...]:
-        """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none). `batch`:
-        the sequences decoding in this step. A probe makes the whole step pay the verify path's fixed cost, so a
-        sequence at depth 0 probes `batch` times less often: the batch probes as often as one sequence alone."""
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
+        """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none). A probe
+        (one draft at depth 0) needs a match of the longest n-gram: the strongest evidence that copying resumed."""
         st = seq.spec
         if st is None:
             st = seq.spec = SpecState()
         k = min(self.depth(st), limit)
+        ns = self.ns
         if k <= 0:
             st.idle += 1
-            if st.idle < st.wait * batch or limit <= 0:
+            if st.idle < st.wait or limit <= 0:
                 return ()
-            k = 1
+            k, ns = 1, self.ns[:1]
         self._index(st, seq)
         n_tok = seq.num_tokens
-        for n in self.ns:
+        for n in ns:
             if n_tok <= n:
                 continue
             key = (n, tuple(seq.token_range(n_tok - n, n_tok)))

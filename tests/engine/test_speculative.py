@@ -221,7 +221,8 @@ def test_rejection_sampling_keeps_the_target_distribution(kda):
 def test_depth_adapts_to_each_sequences_own_acceptance():
     """Depth from the sequence's own acceptance: it grows with acceptance, falls to 0 when drafts are rejected,
     and one draft is tried again after PROBE_AFTER plain steps, a wait that doubles after each probe that accepted
-    nothing and resets when one is accepted."""
+    nothing and resets when one is accepted. A probe needs a match of the longest n-gram (4 here), where drafting
+    at depth > 0 takes the longest that matched, down to 2."""
     drafter = NgramDrafter(EngineConfig(spec="ngram", spec_tokens=6))
     st = SpecState()
     assert drafter.depth(st) == 0 and st.idle >= PROBE_AFTER  # a new sequence probes at its first chance
@@ -230,7 +231,12 @@ def test_depth_adapts_to_each_sequences_own_acceptance():
     assert drafter.depth(st) == 6
     st.alpha = 0.05
     assert drafter.depth(st) == 0
-    seq = Sequence("r", 0, [1, 2, 3, 4, 1, 2, 3], SamplingParams())
+    weak = Sequence("r", 0, [1, 2, 3, 4, 9, 2, 3], SamplingParams())  # only the 2-gram (2, 3) occurred before
+    weak.spec = SpecState()
+    assert drafter.propose(weak, 4) == ()
+    weak.spec.alpha = 0.95
+    assert drafter.propose(weak, 4) == (4, 9, 2, 3)  # the 2-gram's 4 followers (the limit)
+    seq = Sequence("r", 0, [9, 1, 2, 3, 4, 9, 1, 2, 3], SamplingParams())  # the 4-gram (9, 1, 2, 3) did occur
     seq.spec = st
     assert [drafter.propose(seq, 4) for _ in range(PROBE_AFTER - 1)] == [()] * (PROBE_AFTER - 1)
     assert drafter.propose(seq, 4) == (4,)
@@ -245,10 +251,10 @@ def test_depth_adapts_to_each_sequences_own_acceptance():
 def test_a_seeded_sampled_request_gives_plain_decodings_output_whatever_runs_beside_it(kda):
     """Each sampled row of a verify piece draws the token plain decoding samples there from the request's own
     generator, so a seeded request's output with speculation equals plain decoding's, alone or batched (at
-    temperature 0.6 as well as 0.3: the drafts are accepted on their merits, not forced)."""
+    temperature 0.4 as well as 0.3: the drafts are accepted on their merits, not forced)."""
     model, tok = kda
     prompts = _prompts(tok, 5, 120)
-    for temperature in (0.3, 0.6):
+    for temperature in (0.3, 0.4):
         params = SamplingParams(max_tokens=40, temperature=temperature, seed=7, ignore_eos=True)
         plain, _ = _run(model, tok, prompts, params)
         alone, _ = _run(model, tok, prompts[:1], params, spec="ngram")
