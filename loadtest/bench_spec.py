@@ -111,12 +111,13 @@ def decode_rates(engines: dict[str, Engine], prompts: list[list[int]], params: S
             for arm, r in runs.items()}
 
 
-def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: bool) -> tuple[list[dict], dict]:
+def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: bool,
+                max_batch: int | None = None) -> tuple[list[dict], dict]:
     d = resolve_model_dir(name)
     tok = Tokenizer.from_dir(d)
     model = load_model(d)
     prompts = workloads(tok, max(batches))
-    arms = {"plain": {}, "spec": {"spec": "ngram"}}
+    arms = {"plain": {}, "spec": {"spec": "ngram", **({} if max_batch is None else {"spec_max_batch": max_batch})}}
     if compiled:
         arms["compiled"] = {"compile_decode": True}
     rows = []
@@ -225,19 +226,25 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compiled", action="store_true", help="also plain decoding with compile_decode")
+    p.add_argument("--spec-max-batch", type=int, default=None,
+                   help="the spec arm's spec_max_batch (default: the engine's); a run with it is a variant of its own")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     run = start_run("bench_spec", {"models": args.model, "batches": args.batches, "max_tokens": args.max_tokens,
-                                   "repeats": args.repeats, "threads": args.threads, "compiled": args.compiled})
+                                   "repeats": args.repeats, "threads": args.threads, "compiled": args.compiled,
+                                   "spec_max_batch": args.spec_max_batch})
     rows, zoo = [], {}
     for name in args.model:
-        r, zoo[name] = bench_model(name, args.batches, args.max_tokens, args.repeats, args.compiled)
+        r, zoo[name] = bench_model(name, args.batches, args.max_tokens, args.repeats, args.compiled,
+                                   args.spec_max_batch)
         rows += r
     prod = production_bytes()
-    publish(run, "decode", {"rows": rows, "rollback_bytes": {**zoo, **{k: {"computed": v} for k, v in prod.items()}}},
+    variant = "decode" if args.spec_max_batch is None else f"decode-max-batch-{args.spec_max_batch}"
+    publish(run, variant, {"rows": rows, "rollback_bytes": {**zoo, **{k: {"computed": v} for k, v in prod.items()}}},
             _markdown(rows, zoo, {k: {"computed": v} for k, v in prod.items()}, args.compiled), args.out,
-            "Speculative decoding")
+            "Speculative decoding", None if args.spec_max_batch is None else
+            f"With spec_max_batch {args.spec_max_batch} (drafts at every batch size up to it)")
 
 
 if __name__ == "__main__":

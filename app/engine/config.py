@@ -101,7 +101,7 @@ class EngineConfig:
                                    "drafts, in decode steps", ge=0)
     spec_draft_cost: float = knob(0.05, "adaptive depth: what each verified draft token adds, in decode steps", ge=0)
     spec_max_batch: int = knob(4, "no drafts in a step that decodes more sequences than this (vLLM's "
-                               "disable_by_batch_size): a larger batch makes verifying them cost more than they save",
+                               "disable_by_batch_size): in a larger batch verifying them costs about what they save",
                                ge=0)
 
     def __post_init__(self) -> None:
