@@ -100,13 +100,15 @@ class _Run:
 def decode_rates(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams) -> dict:
     """Per arm: tokens per second while all its sequences decode (from the step after the last first token to the
     step in which the first one finishes, timing only its own steps), its outputs, and the tokens each sequence
-    emitted per step in that window (1 for plain decoding). The arms step in turn, one step each, so they share
-    whatever the machine does meanwhile."""
+    emitted per step in that window (1 for plain decoding). The arms step in turn, one step each, in an order
+    that reverses every round, so they share whatever the machine does meanwhile."""
     runs = {arm: _Run(e, prompts, params) for arm, e in engines.items()}
-    while any(r.engine.has_unfinished() for r in runs.values()):
-        for r in runs.values():
+    order = list(runs.values())
+    while any(r.engine.has_unfinished() for r in order):
+        for r in order:
             if r.engine.has_unfinished():
                 r.step()
+        order.reverse()  # no arm always steps first (or right after another one)
     return {arm: (r.counted / r.clock, [r.final[i] for i in r.ids], r.counted / max(r.seq_steps, 1))
             for arm, r in runs.items()}
 
