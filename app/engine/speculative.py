@@ -60,8 +60,6 @@ class SpecState:
     alpha: float = ALPHA_START
     idle: int = 1 << 30  # plain steps since the depth fell to 0 (a new sequence probes at its first chance)
     wait: int = PROBE_AFTER  # plain steps before the next probe
-    drafted: int = 0
-    accepted: int = 0
 
 
 class NgramDrafter:
@@ -125,8 +123,6 @@ class NgramDrafter:
     def record(seq, drafted: int, accepted: int) -> None:
         """Update the sequence's acceptance estimate after verifying `drafted` drafts."""
         st = seq.spec
-        st.drafted += drafted
-        st.accepted += accepted
         if drafted:
             st.alpha = (1 - ALPHA_WEIGHT) * st.alpha + ALPHA_WEIGHT * accepted / drafted
             st.idle = 0

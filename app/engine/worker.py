@@ -191,7 +191,7 @@ class Worker:
                 self.states.scatter([slots[i] for i in keep], new_states.select(keep))
         for i, records in (new_states.verify or {}).items():
             self.verifying[slots[i]] = (records if self.spec_rollback == "replay"
-                                        else [[r.state_at(t) for t in range(1, r.length + 1)] for r in records])
+                                        else [[r.state_at(t) for t in range(1, r.n + 1)] for r in records])
         self.snapshots = {(slots[i], k): st for (i, k), st in (new_states.snapshots or {}).items()}
         # every_row pieces: all their rows kept (they end at the piece's last row)
         self.piece_logits = {i: logits[last[i] - n + 1 : last[i] + 1].float().cpu()

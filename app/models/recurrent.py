@@ -48,10 +48,6 @@ class VerifyInputs:
     conv: torch.Tensor
     ssm: torch.Tensor
 
-    @property
-    def length(self) -> int:
-        return self.n
-
     def state_at(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [C, W-1], ssm [H, K, V]) after the first t tokens (1 <= t <= n) of the piece: the pass's own
         final states at t = n (padding leaves the ssm state as it was, and the conv state is taken after the
