@@ -32,6 +32,15 @@ verify that accepted nothing (up to PROBE_MAX) and resets when a draft is accept
 first chance. A probe needs a match of the longest n-gram (`spec_ngram_max`): in a batch every verify step makes
 the whole step pay the verify path's fixed cost, so probes wait for strong evidence. A seeded request's output does
 not depend on the depth anyway (see the acceptance above).
+
+Batches. In a step that decodes B sequences plain decoding yields B tokens per step; a verify step yields B plus
+the drafting rows' expected extra tokens X for 1 + c0 + c K steps (K drafts in all), so drafts pay only when
+X > B (c0 + c K): a row's drafts buy its own tokens, but the verify path's fixed cost slows all B rows. `select`
+keeps a step's drafts by that rule (at B = 1 it keeps what the depth chose), and a probe's wait is B times the
+sequence's own, since a probe alone makes the whole step a verify step; a row whose drafts the rule drops is
+verified anyway after the same wait, so that its estimate is tested again. This reads the batch size, which the
+issue's wording excludes from depth decisions; what it protects (a seeded request's output not depending on what
+runs beside it) holds because of the coupled acceptance.
 """
 
 from __future__ import annotations
@@ -81,9 +90,10 @@ class NgramDrafter:
                 best, best_k = gain, k
         return best_k
 
-    def propose(self, seq, limit: int) -> tuple[int, ...]:
+    def propose(self, seq, limit: int, batch: int = 1) -> tuple[int, ...]:
         """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none). A probe
-        (one draft at depth 0) needs a match of the longest n-gram: the strongest evidence that copying resumed."""
+        (one draft at depth 0, after `batch` times the sequence's wait) needs a match of the longest n-gram: the
+        strongest evidence that copying resumed."""
         st = seq.spec
         if st is None:
             st = seq.spec = SpecState()
@@ -91,7 +101,7 @@ class NgramDrafter:
         ns = self.ns
         if k <= 0:
             st.idle += 1
-            if st.idle < st.wait or limit <= 0:
+            if st.idle < st.wait * batch or limit <= 0:
                 return ()
             k, ns = 1, self.ns[:1]
         self._index(st, seq)
@@ -104,6 +114,30 @@ class NgramDrafter:
             if end is not None:
                 return tuple(seq.token_range(end, min(end + k, n_tok)))
         return ()
+
+    def select(self, seqs: list, drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The drafts of one step of len(seqs) decoding rows that pay for the batch (see the module doc): rows whose
+        expected extra tokens beat what their drafts cost the batch, and those only if together they beat the
+        verify path's fixed cost. A probe pays that cost anyway and is kept; so is a row whose drafts were
+        dropped for its probe wait times the batch size (its estimate would otherwise never be tested again)."""
+        batch, keep, value, paid = len(seqs), [()] * len(seqs), 0.0, False
+        for i, (seq, d) in enumerate(zip(seqs, drafts)):
+            if not d:
+                continue
+            st = seq.spec
+            if self.depth(st) == 0 or st.idle + 1 >= st.wait * batch:
+                keep[i], paid = d, True
+                continue
+            a = min(st.alpha, 0.999)
+            net = a * (1 - a ** len(d)) / (1 - a) - batch * self.cost * len(d)  # expected extra tokens - their cost
+            if net > 0:
+                keep[i], value = d, value + net
+        if not (paid or value > batch * self.fixed):
+            keep = [()] * batch
+        for seq, d, k in zip(seqs, drafts, keep):
+            if d and not k:
+                seq.spec.idle += 1
+        return keep
 
     def _index(self, st: SpecState, seq) -> None:
         """Add the n-grams tokens[end - n : end] for the ends not indexed yet that have a following token

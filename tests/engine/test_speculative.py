@@ -8,6 +8,7 @@ so drafts are proposed and accepted (each test checks that speculation really ha
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,7 +85,9 @@ def test_rollback_replay_is_bitwise_the_snapshot_and_near_plain_decoding(kda):
     are within 1e-5 of plain decoding's states after the same tokens."""
     model, tok = kda
     prompts = _prompts(tok, 3, 150)
-    engines = [Engine(model, tok, EngineConfig(kv_slots=8192, spec="ngram", spec_rollback=rb, enable_cache=False))
+    # costs 0: every match drafts at full depth, so most steps verify
+    engines = [Engine(model, tok, EngineConfig(kv_slots=8192, spec="ngram", spec_rollback=rb, enable_cache=False,
+                                               spec_verify_cost=0.0, spec_draft_cost=0.0))
                for rb in ("replay", "snapshot")]
     for e in engines:
         for p in prompts:
@@ -246,6 +249,34 @@ def test_depth_adapts_to_each_sequences_own_acceptance():
         assert drafter.propose(seq, 4) == (4,)
     drafter.record(seq, 1, 1)
     assert st.wait == PROBE_AFTER
+
+
+def test_a_step_keeps_drafts_only_when_they_pay_for_the_whole_batch():
+    """A verify step slows every row of the batch by the verify path's fixed cost, so a step of B rows keeps its
+    drafts only when their expected extra tokens beat B (c0 + c K); a probe pays that cost anyway, and waits B
+    times its sequence's wait, as does a row whose drafts were dropped before they are verified anyway."""
+    drafter = NgramDrafter(EngineConfig(spec="ngram", spec_tokens=6))  # c0 0.3, c 0.05
+
+    def rows(*alphas):
+        return [SimpleNamespace(spec=SpecState(alpha=a, idle=0)) for a in alphas]
+
+    one, two = (5,), (5, 6)
+    assert drafter.select(rows(0.5), [one]) == [one]  # alone: extra 0.5 > 0.3 + 0.05
+    assert drafter.select(rows(0.5, 0.5, 0.5, 0.5), [one, (), (), ()]) == [(), (), (), ()]  # 0.5 < 4 x 0.35
+    assert drafter.select(rows(0.95, 0.5, 0.5, 0.5), [(1,) * 6, one, (), ()]) == [(1,) * 6, one, (), ()]
+    assert drafter.select(rows(0.5, 0.5), [one, two]) == [one, two]  # 0.5 + 0.75 > 2 x 0.3, each beats 2 c k
+    probe = rows(0.05, 0.4, 0.5, 0.5)  # depth 0 for the first: a probe, which pays the fixed cost
+    assert drafter.depth(probe[0].spec) == 0 and drafter.depth(probe[1].spec) > 0
+    # the second row's 6 drafts expect 0.66 extra tokens for 4 x 6 c = 1.2: dropped; the third's pay
+    assert drafter.select(probe, [one, (1,) * 6, one, ()]) == [one, (), one, ()]
+    batch = rows(0.5, 0.5, 0.5, 0.5)  # dropped, so its estimate is tested again after 4 x its wait
+    for _ in range(4 * PROBE_AFTER - 1):
+        assert drafter.select(batch, [one, (), (), ()])[0] == ()
+    assert drafter.select(batch, [one, (), (), ()]) == [one, (), (), ()]
+    seq = Sequence("r", 0, [9, 1, 2, 3, 4, 9, 1, 2, 3], SamplingParams())
+    seq.spec = SpecState(idle=0)
+    assert [drafter.propose(seq, 4, batch=3) for _ in range(3 * PROBE_AFTER - 1)] == [()] * (3 * PROBE_AFTER - 1)
+    assert drafter.propose(seq, 4, batch=3) == (4,)
 
 
 def test_a_seeded_sampled_request_gives_plain_decodings_output_whatever_runs_beside_it(kda):
