@@ -118,7 +118,7 @@ class Scheduler:
         for i in [*range(first, len(decoding)), *range(first)]:
             seq = decoding[i]
             limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
-            out[i] = self.drafter.propose(seq, limit, len(decoding)) if limit > 0 else ()
+            out[i] = self.drafter.propose(seq, limit) if limit > 0 else ()
             room -= len(out[i])
         return self.drafter.select(decoding, out)
 

@@ -36,15 +36,17 @@ not depend on the depth anyway (see the acceptance above).
 Batches. In a step that decodes B sequences plain decoding yields B tokens per step; a verify step yields B plus
 the drafting rows' expected extra tokens X for 1 + c0 + c K steps (K drafts in all), so drafts pay only when
 X > B (c0 + c K): a row's drafts buy its own tokens, but the verify path's fixed cost slows all B rows. `select`
-keeps a step's drafts by that rule (at B = 1 it keeps what the depth chose), and a probe's wait is B times the
-sequence's own, since a probe alone makes the whole step a verify step; a row whose drafts the rule drops is
-verified anyway after the same wait, so that its estimate is tested again. This reads the batch size, which the
+keeps a step's drafts by that rule (at B = 1 it keeps what the depth chose). A probe rides along when the step
+verifies anyway; alone it makes the whole step a verify step, so it waits sqrt(B) times the sequence's own wait
+before it may; a row whose drafts the rule drops is verified anyway after the same wait, so that its estimate is
+tested again. This reads the batch size, which the
 issue's wording excludes from depth decisions; what it protects (a seeded request's output not depending on what
 runs beside it) holds because of the coupled acceptance.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -90,9 +92,9 @@ class NgramDrafter:
                 best, best_k = gain, k
         return best_k
 
-    def propose(self, seq, limit: int, batch: int = 1) -> tuple[int, ...]:
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
         """Up to `limit` drafts for `seq` (fewer where the depth or the match is shorter; () for none). A probe
-        (one draft at depth 0, after `batch` times the sequence's wait) needs a match of the longest n-gram: the
+        (one draft at depth 0, once the sequence's wait is over) needs a match of the longest n-gram: the
         strongest evidence that copying resumed."""
         st = seq.spec
         if st is None:
@@ -101,7 +103,7 @@ class NgramDrafter:
         ns = self.ns
         if k <= 0:
             st.idle += 1
-            if st.idle < st.wait * batch or limit <= 0:
+            if st.idle < st.wait or limit <= 0:
                 return ()
             k, ns = 1, self.ns[:1]
         self._index(st, seq)
@@ -116,26 +118,38 @@ class NgramDrafter:
         return ()
 
     def select(self, seqs: list, drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """The drafts of one step of len(seqs) decoding rows that pay for the batch (see the module doc): rows whose
-        expected extra tokens beat what their drafts cost the batch, and those only if together they beat the
-        verify path's fixed cost. A probe pays that cost anyway and is kept; so is a row whose drafts were
-        dropped for its probe wait times the batch size (its estimate would otherwise never be tested again)."""
-        batch, keep, value, paid = len(seqs), [()] * len(seqs), 0.0, False
+        """The drafts of one step of B = len(seqs) decoding rows that pay for the batch (see the module doc): rows
+        whose expected extra tokens beat what their drafts cost the batch, and those only if together they beat the
+        verify path's fixed cost. A probe rides along when the step verifies anyway; it makes the step verify
+        (paying that cost) once its wait times sqrt(B) is over, as does a row whose paying-alone drafts were
+        dropped that long (its estimate would otherwise never be tested again)."""
+        batch = len(seqs)
+        scale = math.sqrt(batch)
+        keep, riders, value, paid = [()] * batch, [], 0.0, False
         for i, (seq, d) in enumerate(zip(seqs, drafts)):
             if not d:
                 continue
             st = seq.spec
-            if self.depth(st) == 0 or st.idle + 1 >= st.wait * batch:
+            if self.depth(st) == 0:  # a probe (its idle steps are counted by `propose`)
+                if st.idle >= st.wait * scale:
+                    keep[i], paid = d, True
+                else:
+                    riders.append(i)
+                continue
+            if st.idle + 1 >= st.wait * scale:
                 keep[i], paid = d, True
                 continue
             a = min(st.alpha, 0.999)
             net = a * (1 - a ** len(d)) / (1 - a) - batch * self.cost * len(d)  # expected extra tokens - their cost
             if net > 0:
                 keep[i], value = d, value + net
-        if not (paid or value > batch * self.fixed):
+        if paid or value > batch * self.fixed:
+            for i in riders:
+                keep[i] = drafts[i]
+        else:
             keep = [()] * batch
         for seq, d, k in zip(seqs, drafts, keep):
-            if d and not k:
+            if d and not k and self.depth(seq.spec) > 0:
                 seq.spec.idle += 1
         return keep
 

@@ -253,30 +253,32 @@ def test_depth_adapts_to_each_sequences_own_acceptance():
 
 def test_a_step_keeps_drafts_only_when_they_pay_for_the_whole_batch():
     """A verify step slows every row of the batch by the verify path's fixed cost, so a step of B rows keeps its
-    drafts only when their expected extra tokens beat B (c0 + c K); a probe pays that cost anyway, and waits B
-    times its sequence's wait, as does a row whose drafts were dropped before they are verified anyway."""
+    drafts only when their expected extra tokens beat B (c0 + c K). A probe rides along when the step verifies
+    anyway and makes it verify alone only after sqrt(B) times its sequence's wait, as does a row whose drafts were
+    dropped that long."""
     drafter = NgramDrafter(EngineConfig(spec="ngram", spec_tokens=6))  # c0 0.3, c 0.05
 
-    def rows(*alphas):
-        return [SimpleNamespace(spec=SpecState(alpha=a, idle=0)) for a in alphas]
+    def rows(*alphas, idle=0):
+        return [SimpleNamespace(spec=SpecState(alpha=a, idle=idle)) for a in alphas]
 
-    one, two = (5,), (5, 6)
+    one, two, six = (5,), (5, 6), (1,) * 6
     assert drafter.select(rows(0.5), [one]) == [one]  # alone: extra 0.5 > 0.3 + 0.05
     assert drafter.select(rows(0.5, 0.5, 0.5, 0.5), [one, (), (), ()]) == [(), (), (), ()]  # 0.5 < 4 x 0.35
-    assert drafter.select(rows(0.95, 0.5, 0.5, 0.5), [(1,) * 6, one, (), ()]) == [(1,) * 6, one, (), ()]
-    assert drafter.select(rows(0.5, 0.5), [one, two]) == [one, two]  # 0.5 + 0.75 > 2 x 0.3, each beats 2 c k
-    probe = rows(0.05, 0.4, 0.5, 0.5)  # depth 0 for the first: a probe, which pays the fixed cost
-    assert drafter.depth(probe[0].spec) == 0 and drafter.depth(probe[1].spec) > 0
+    assert drafter.select(rows(0.95, 0.5, 0.5, 0.5), [six, one, (), ()]) == [six, one, (), ()]
+    assert drafter.select(rows(0.5, 0.5), [one, two]) == [one, two]  # 0.4 + 0.55 > 2 x 0.3, each beats 2 c k
     # the second row's 6 drafts expect 0.66 extra tokens for 4 x 6 c = 1.2: dropped; the third's pay
-    assert drafter.select(probe, [one, (1,) * 6, one, ()]) == [one, (), one, ()]
-    batch = rows(0.5, 0.5, 0.5, 0.5)  # dropped, so its estimate is tested again after 4 x its wait
-    for _ in range(4 * PROBE_AFTER - 1):
+    assert drafter.select(rows(0.95, 0.4, 0.5, 0.5), [six, six, one, ()]) == [six, (), one, ()]
+    probes = rows(0.05, 0.05, 0.95, 0.5, idle=PROBE_AFTER)  # two probes whose own wait is over
+    assert drafter.depth(probes[0].spec) == 0
+    assert drafter.select(probes, [one, one, six, ()]) == [one, one, six, ()]  # riding along a paying step
+    assert drafter.select(probes, [one, one, (), ()]) == [(), (), (), ()]  # alone they wait 2 x PROBE_AFTER
+    due = rows(0.05, idle=2 * PROBE_AFTER) + rows(0.5, 0.5, 0.5)
+    assert drafter.select(due, [one, six, (), ()]) == [one, (), (), ()]  # due: it pays the fixed cost itself...
+    assert drafter.select(due, [one, one, (), ()]) == [one, one, (), ()]  # ...and drafts worth their own cost ride
+    batch = rows(0.5, 0.5, 0.5, 0.5)  # dropped, so its estimate is tested again after 2 x its wait
+    for _ in range(2 * PROBE_AFTER - 1):
         assert drafter.select(batch, [one, (), (), ()])[0] == ()
     assert drafter.select(batch, [one, (), (), ()]) == [one, (), (), ()]
-    seq = Sequence("r", 0, [9, 1, 2, 3, 4, 9, 1, 2, 3], SamplingParams())
-    seq.spec = SpecState(idle=0)
-    assert [drafter.propose(seq, 4, batch=3) for _ in range(3 * PROBE_AFTER - 1)] == [()] * (3 * PROBE_AFTER - 1)
-    assert drafter.propose(seq, 4, batch=3) == (4,)
 
 
 def test_a_seeded_sampled_request_gives_plain_decodings_output_whatever_runs_beside_it(kda):
