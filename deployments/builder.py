@@ -96,9 +96,11 @@ class RouterArgs(_Strict):
     kind: str = Field("prefix", description="prefix (ours) | pow2 (Ray default) | prefix_affinity (Ray LLM)")
     stats_period_s: float = Field(2.0, description="how often replicas publish queue length and digest")
     block_size: int = Field(16, description="tokens per hashed block in digests")
-    min_match_tokens: int = Field(32, description="shorter matches route by load")
-    max_queue_gap: int = Field(4, description="affinity only within this queue-length gap")
-    max_ratio: float = Field(1.4, description="bound on the request ratio between replicas under skew")
+    affinity_credit: float = Field(0.5, ge=0, description="weight of KV held beyond a replica's checkpoint, in "
+                                                          "prefill tokens (keeps a new prefix on one replica)")
+    remember_s: float = Field(30.0, gt=0, description="how long the router counts a prefix it sent as held there")
+    settle_s: float = Field(2.0, ge=0, description="a sent prefix a later digest does not hold is forgotten after "
+                                                   "this")
 
 
 class ControllerArgs(_Strict):
@@ -216,8 +218,8 @@ def build_app(args: dict) -> Application:
     controller = controller_config(cfg)
     router_kwargs = {}
     if cfg.router.kind == "prefix":
-        router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "min_match_tokens", "max_queue_gap",
-                                                             "max_ratio")}
+        router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "affinity_credit", "remember_s",
+                                                             "settle_s")}
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests, health_check_period_s=cfg.health_check_period_s,

@@ -2,7 +2,8 @@
 
 - `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
   chunk, the full text and token ids on the last.
-- `record_routing_stats()` publishes the queue length and the digest of prefixes it holds checkpoints for.
+- `record_routing_stats()` publishes the digest of prefixes it holds checkpoints for, their marks and the
+  engine's load (`app/engine/load.py`): what the router predicts a request's TTFT from.
 - A background loop pushes a telemetry window to the tuning controller every `window_s` (with the setting it
   runs, which a recreated controller adopts) and applies the assignment it reads back (between engine steps;
   a codec change drops the old checkpoints). It retunes only when the assigned setting differs from the one it
@@ -23,11 +24,12 @@ import time
 import torch
 from ray import serve
 
-from app.cache.digest import tree_digest
+from app.cache.digest import checkpoint_digest
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.errors import EngineUnavailable
+from app.engine.load import load_report
 from app.engine.tp import build_engine
 from deployments.controller import ControllerClient
 from deployments.messages import GenerateRequest
@@ -73,12 +75,13 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict:
         def collect(engine: Engine):
-            return engine.snapshot(), tree_digest(engine.cache.tree, self.digest_block)
+            running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            return running, waiting, checkpoint_digest(engine.cache.tree, self.digest_block), load_report(engine)
 
-        snap, digest = await asyncio.to_thread(self.engine.call, collect)
-        self._waiting_peak = max(self._waiting_peak, snap["waiting"])
+        running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.call, collect)
+        self._waiting_peak = max(self._waiting_peak, waiting)
         self._stats_version += 1
-        return {"queue": snap["running"] + snap["waiting"], "digest": digest, "version": self._stats_version}
+        return {"queue": running + waiting, "digest": digest, "marks": marks, "version": self._stats_version, **load}
 
     async def snapshot(self) -> dict:
         return await asyncio.to_thread(self.engine.snapshot)
@@ -153,6 +156,8 @@ class EngineReplica:
             "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
             # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
             "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0),
+            "replayed": _per(snap, last, "replayed_tokens", "sequences_admitted"),
+            "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
         }
         # the flat fields, and the acceptance histogram's counts (/metrics' spec_decode_acceptance_length)
         flat = {k: v for k, v in snap.items() if not isinstance(v, dict) or k == "spec_accepted_per_verify"}
@@ -162,3 +167,9 @@ class EngineReplica:
         if setting != running:
             await asyncio.to_thread(self.engine.call, lambda e: e.retune(**setting))
         self._applied_version = version
+
+
+def _per(snap: dict, last: dict, total: str, count: str) -> float:
+    """The window's increase of counter `total` per increase of counter `count` (0 when `count` did not grow)."""
+    n = snap.get(count, 0) - last.get(count, 0)
+    return (snap.get(total, 0) - last.get(total, 0)) / n if n > 0 else 0.0

@@ -1,14 +1,14 @@
-"""`PrefixAwareRouter`: a Ray Serve RequestRouter that sends each request to the replica holding the
-checkpoint covering the longest prefix of its prompt, weighed against load (`routing_policy.rank`).
+"""`PrefixAwareRouter`: a Ray Serve RequestRouter that sends each request to the replica where its predicted time
+to first token is least (`routing_policy.rank`): the prefill queued there, plus the tokens the replica's
+checkpoints leave this request to prefill, at the replica's measured step cost.
 
-Replicas publish, through `record_routing_stats()`, their queue length and a digest (chained block hashes
-of the prefixes they hold checkpoints for) every `request_routing_stats_period_s`. The router also remembers
-for `remember_s` seconds which block chains it sent where, so requests sharing a new prefix stick to one
-replica until that replica's digest shows the prefix (a digest taken while the first request was still in
-flight would not).
+Replicas publish, through `record_routing_stats()`, their load, a digest (chained block hashes of the prefixes
+they hold checkpoints for) and the checkpoints' marks every `request_routing_stats_period_s`. The router also
+remembers which block chains it sent where (`RouterMemory`), so requests sharing a new prefix stick to one replica
+until that replica's digest shows the prefix, and the prefill it sent since the last stats.
 
-Knobs (deployment `request_router_kwargs`): block_size, min_match_tokens, max_queue_gap, max_ratio,
-share_window — see `RouterKnobs` — and remember_s (see `RouterMemory`).
+Knobs (deployment `request_router_kwargs`): block_size, affinity_credit, share_window (see `RouterKnobs`),
+remember_s and settle_s (see `RouterMemory`).
 
 A retried request names the replica that failed it (`GenerateRequest.avoid`: its engine could not step); that
 replica is left out unless it is the only one.
@@ -18,32 +18,41 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.routing_policy import Candidate, RouterKnobs, RouterMemory, rank
+from deployments.routing_policy import RouterKnobs, RouterMemory, predict, rank
 
 
 class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, remember_s: float = 30.0, **knobs) -> None:
+    def initialize_state(self, remember_s: float = 30.0, settle_s: float = 2.0, **knobs) -> None:
         self.knobs = RouterKnobs(**knobs)
-        self.memory = RouterMemory(remember_s, self.knobs.share_window)
+        self.memory = RouterMemory(remember_s, self.knobs.share_window, settle_s)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        chain = _chain(pending_request)
+        chain, prompt_len = _request(pending_request, self.knobs.block_size)
         avoid = getattr(pending_request.args[0], "avoid", None) if pending_request and pending_request.args else None
         candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [self._candidate(r) for r in candidate_replicas]
-        return [[by_id[i] for i in tier] for tier in rank(candidates, chain, self.knobs)]
+        return [[by_id[i] for i in tier] for tier in rank(candidates, chain, prompt_len, self.knobs)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self.memory.routed(replica_id.unique_id, _chain(pending_request))
+        chain, prompt_len = _request(pending_request, self.knobs.block_size)
+        replica = self.curr_replicas.get(replica_id)
+        stats = replica.routing_stats if replica is not None else None
+        uncached = predict(self.memory.candidate(replica_id.unique_id, stats, None), chain, prompt_len,
+                           self.knobs).uncached
+        self.memory.routed(replica_id.unique_id, chain, uncached)
 
-    def _candidate(self, replica: RunningReplica) -> Candidate:
+    def _candidate(self, replica: RunningReplica):
         return self.memory.candidate(replica.replica_id.unique_id, replica.routing_stats,
                                      self._replica_queue_len_cache.get(replica.replica_id))
 
 
-def _chain(pending_request: PendingRequest | None) -> list[int]:
+def _request(pending_request: PendingRequest | None, block: int) -> tuple[list[int], int]:
+    """The request's block hashes and prompt length (the hashed part where the ids are not there)."""
     if pending_request is None or not pending_request.args:
-        return []
-    return list(getattr(pending_request.args[0], "hashes", []) or [])
+        return [], 0
+    req = pending_request.args[0]
+    chain = list(getattr(req, "hashes", []) or [])
+    ids = getattr(req, "prompt_ids", None)
+    return chain, len(ids) if ids is not None else len(chain) * block

@@ -1,14 +1,33 @@
-"""The prefix-aware routing decision as a pure function, and the router's memory as a plain class with an
-injectable clock (no Ray): tests import both directly.
+"""The prefix-aware routing decision as a pure function of predicted cost, and the router's memory as a plain
+class with an injectable clock (no Ray): tests import both directly.
 
-For each candidate replica: the prompt tokens it would not have to prefill (leading blocks of the request's
-chained block hashes found in the replica's published digest or in what this router sent it within the last
-`remember_s` seconds), its queue length, and its share of recently routed requests. The request goes to
-the replica saving the most tokens among those not overloaded; with no useful match, to the least loaded.
+For each candidate replica `predict` estimates the request's time to first token there:
+
+    uncached = prompt - checkpointed + resume          (tokens this request would prefill on that replica)
+    work     = queued + uncached                        (prefill tokens ahead of its first token, its own included)
+    steps    = ceil(work / (step_tokens - decoding))    (steps of the replica's token budget; decodes share each)
+    ttft     = steps x step_fixed_s + step_token_s x (work + decoding x steps)
+
+- checkpointed: the deepest checkpoint on the request's prefix, read from the replica's published checkpoint
+  marks (the hash of the last full block of each checkpoint's prefix). A hybrid model resumes only at a
+  checkpoint, so KV shared beyond it saves nothing for this request.
+- resume: what a hit still recomputes under dasc: the nr tail (the checkpoint is loaded that many tokens back)
+  or the wr replay window; 0 for dense checkpoints.
+- queued: the prefill tokens the replica reported waiting, plus what this router sent it since that report.
+- step_fixed_s, step_token_s: the replica's measured step cost (a fit of step time against tokens per step).
+
+The request goes to the least `score`: ttft minus `affinity_credit` times the prefill time of the tokens the
+replica holds as KV beyond its checkpoint (its digest, and what this router sent it lately). Those save this
+request nothing, but the engine cuts a branch checkpoint where the prompt leaves that KV, and the prefix's later
+requests resume there: keeping a prefix on one replica is what makes its checkpoints pay. Balance comes from
+the queue: a hot prefix spills to a second replica when the work queued ahead of its holder costs more than the
+prefill its checkpoint saves. Scores within one block's prefill time of the best tie; ties go to the replica
+with fewer of the recent decisions, then the lower id.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,88 +39,125 @@ from app.cache.digest import matched_blocks
 @dataclass(frozen=True)
 class RouterKnobs:
     """block_size: tokens per hashed block (must equal the replicas' digest block).
-    min_match_tokens: a match shorter than this counts as no match (fall back to load).
-    max_queue_gap: affinity only to replicas whose queue is at most this many requests above the shortest.
-    max_ratio, slack: affinity only while a replica's count of recent decisions c stays within
-        c + 1 <= max_ratio * (c_min + 1) + slack, c_min the least-used candidate's count: this bounds the
-        request ratio between replicas under skewed traffic while a prefix's first repeats still stick.
-    share_window: how many recent routing decisions the counts cover."""
+    affinity_credit: weight of KV held beyond the checkpoint (see the module doc); 0 routes by predicted TTFT alone.
+    token_s, fixed_s, step_tokens: the step cost assumed for a replica that has not reported its own.
+    share_window: how many recent routing decisions break ties."""
 
     block_size: int = 16
-    min_match_tokens: int = 32
-    max_queue_gap: int = 4
-    max_ratio: float = 1.4
-    slack: int = 1
+    affinity_credit: float = 0.5
+    token_s: float = 1e-3
+    fixed_s: float = 0.0
+    step_tokens: int = 2048
     share_window: int = 64
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """A replica as the policy sees it. known: block hashes on the paths to its checkpoints plus those this router
+    sent it lately (KV it holds or will); marks: the last full block of each checkpoint's prefix."""
+
     replica_id: str
-    queue_len: int
-    known: frozenset[int]  # published digest plus hashes routed to it since
-    recent: int  # of the last share_window decisions, how many went here
+    known: frozenset[int] = frozenset()
+    marks: frozenset[int] = frozenset()
+    queued: int = 0  # prefill tokens waiting there
+    decoding: int = 0  # sequences decoding there
+    resume: int = 0  # tokens a hit recomputes (dasc nr tail or wr window)
+    token_s: float | None = None  # measured step cost per token; None: RouterKnobs.token_s
+    fixed_s: float | None = None  # measured step cost whatever its tokens
+    step_tokens: int | None = None  # the replica's token budget per step
+    queue_len: int = 0  # requests there (reported), for the record
+    recent: int = 0  # of the last share_window decisions, how many went here
 
 
-def rank(candidates: list[Candidate], chain: list[int], knobs: RouterKnobs) -> list[list[str]]:
-    """Replica ids in preference ranks: [[chosen], [the rest by load]]."""
+@dataclass(frozen=True)
+class Prediction:
+    checkpointed: int  # prompt tokens the deepest usable checkpoint covers
+    uncached: int  # tokens this request prefills there
+    ttft_s: float
+    score: float
+
+
+def predict(c: Candidate, chain: list[int], prompt_len: int, knobs: RouterKnobs) -> Prediction:
+    block = knobs.block_size
+    depth = max((i + 1 for i, h in enumerate(chain) if h in c.marks), default=0) * block
+    if depth:  # chained hashes: a matched mark implies the blocks before it match too
+        depth = min(depth, prompt_len - 1)
+    uncached = prompt_len - depth + (c.resume if depth else 0)
+    uncached = max(1, min(prompt_len, uncached))
+    token_s = knobs.token_s if c.token_s is None else c.token_s
+    fixed_s = knobs.fixed_s if c.fixed_s is None else c.fixed_s
+    budget = max(1, (c.step_tokens or knobs.step_tokens) - c.decoding)
+    work = c.queued + uncached
+    steps = math.ceil(work / budget)
+    ttft = steps * fixed_s + token_s * (work + c.decoding * steps)
+    kv = matched_blocks(chain, c.known) * block
+    return Prediction(depth, uncached, ttft, ttft - knobs.affinity_credit * token_s * max(0, kv - depth))
+
+
+def rank(candidates: list[Candidate], chain: list[int], prompt_len: int, knobs: RouterKnobs) -> list[list[str]]:
+    """Replica ids in preference ranks: [[chosen], [the rest by score]]."""
     if not candidates:
         return []
-    least_used = min(c.recent for c in candidates)
-    shortest = min(c.queue_len for c in candidates)
-
-    def load(c: Candidate):
-        return (c.queue_len, c.recent, c.replica_id)
-
-    def eligible(c: Candidate) -> bool:
-        over_share = c.recent + 1 > knobs.max_ratio * (least_used + 1) + knobs.slack
-        return c.queue_len <= shortest + knobs.max_queue_gap and not over_share
-
-    saved = {c.replica_id: matched_blocks(chain, c.known) * knobs.block_size for c in candidates}
-    pool = [c for c in candidates if eligible(c) and saved[c.replica_id] >= knobs.min_match_tokens]
-    if pool:
-        chosen = max(pool, key=lambda c: (saved[c.replica_id], -c.queue_len, -c.recent, c.replica_id))
-    else:
-        balanced = [c for c in candidates if eligible(c)] or candidates
-        chosen = min(balanced, key=load)
-    rest = sorted((c for c in candidates if c is not chosen), key=load)
+    preds = {c.replica_id: predict(c, chain, prompt_len, knobs).score for c in candidates}
+    tie = knobs.block_size * min((c.token_s if c.token_s is not None else knobs.token_s) for c in candidates)
+    best = min(preds.values())
+    chosen = min((c for c in candidates if preds[c.replica_id] <= best + tie), key=lambda c: (c.recent, c.replica_id))
+    rest = sorted((c for c in candidates if c is not chosen),
+                  key=lambda c: (preds[c.replica_id], c.recent, c.replica_id))
     return [[chosen.replica_id]] + ([[c.replica_id for c in rest]] if rest else [])
 
 
 class RouterMemory:
     """What one router remembers between decisions. `clock`: seconds, monotonic.
 
-    - each replica's published digest, rebuilt only when its stats' `version` changes;
-    - per replica, the block hashes this router sent it and when: a hash sent at time t is known until
-      t + remember_s (inclusive), so requests sharing a new prefix stick to one replica until that replica's
-      digest shows the prefix;
+    - each replica's published stats; a new `version` is noted with the time it was first seen;
+    - per replica, the block hashes this router sent it and when. A hash sent at t is known until t + remember_s
+      (inclusive), so requests sharing a new prefix stick to one replica until its digest shows the prefix; and
+      it is dropped earlier when a digest first seen more than `settle_s` after t does not hold it (the replica
+      evicted it, or its codec changed and dropped its checkpoints);
+    - per replica, the prefill tokens sent since its last stats version (added to the reported queue);
     - the replicas of the last `share_window` routing decisions (`Candidate.recent`)."""
 
-    def __init__(self, remember_s: float, share_window: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.remember_s, self.clock = remember_s, clock
+    def __init__(self, remember_s: float, share_window: int, settle_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.remember_s, self.settle_s, self.clock = remember_s, settle_s, clock
         self._recent: deque[str] = deque(maxlen=share_window)
         self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
-        self._digests: dict[str, tuple[object, frozenset[int]]] = {}  # replica -> (stats version, digest)
+        self._sent: dict[str, list[int]] = {}  # replica -> prefill tokens sent since its stats version
+        # replica -> (stats version, when first seen, digest, marks)
+        self._stats: dict[str, tuple[object, float, frozenset[int], frozenset[int]]] = {}
 
-    def routed(self, replica_id: str, chain: list[int]) -> None:
-        """One decision: the request with block hashes `chain` went to `replica_id`."""
+    def routed(self, replica_id: str, chain: list[int], tokens: int = 0) -> None:
+        """One decision: the request with block hashes `chain`, predicted to prefill `tokens` there, went to
+        `replica_id`."""
         self._recent.append(replica_id)
         now = self.clock()
         self._routed.setdefault(replica_id, {}).update((h, now) for h in chain)
+        self._sent.setdefault(replica_id, []).append(tokens)
 
     def candidate(self, replica_id: str, stats: dict | None, queue_len: int | None) -> Candidate:
-        """The replica as `rank` sees it. stats: its published routing stats (`version`, `digest`, `queue`),
-        None before the first; queue_len: a fresher queue length than the stats' (None: use the stats')."""
+        """The replica as `rank` sees it. stats: its published routing stats (`record_routing_stats`), None
+        before the first; queue_len: a fresher request count than the stats' (None: use the stats')."""
         stats = stats or {}
+        now = self.clock()
         version = stats.get("version")
-        cached = self._digests.get(replica_id)
-        if cached is None or cached[0] != version:
-            cached = (version, frozenset(stats.get("digest", ())))
-            self._digests[replica_id] = cached
-        queue = stats.get("queue", 0) if queue_len is None else queue_len
-        horizon = self.clock() - self.remember_s
-        routed = self._routed.get(replica_id, {})
+        held = self._stats.get(replica_id)
+        routed = self._routed.setdefault(replica_id, {})
+        if held is None or held[0] != version:
+            held = (version, now, frozenset(stats.get("digest", ())), frozenset(stats.get("marks", ())))
+            self._stats[replica_id] = held
+            self._sent[replica_id] = []  # taken as counted in the new stats' queue
+            if version is not None:  # a digest to disagree with
+                for h in [h for h, t in routed.items() if t < now - self.settle_s and h not in held[2]]:
+                    del routed[h]
+        horizon = now - self.remember_s
         for h in [h for h, t in routed.items() if t < horizon]:
             del routed[h]
-        known = cached[1] | frozenset(routed) if routed else cached[1]
-        return Candidate(replica_id, int(queue), known, sum(1 for r in self._recent if r == replica_id))
+        sent = sum(self._sent.get(replica_id, ()))
+        return Candidate(
+            replica_id, held[2] | frozenset(routed) if routed else held[2], held[3],
+            queued=int(stats.get("prefill_tokens", 0)) + sent, decoding=int(stats.get("decoding", 0)),
+            resume=int(stats.get("resume_tokens", 0)), token_s=stats.get("step_token_s"),
+            fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
+            queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
+            recent=sum(1 for r in self._recent if r == replica_id))

@@ -16,7 +16,14 @@ checkpoint occupancy, evictions and wr replay time.
   compared with the control's over the same windows (with a single replica: with its own windows just before
   the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
   rejected and not retried for `cooldown_windows` windows (hysteresis both ways: no flapping).
-Every change bumps a version; replicas poll their assignment and apply it between engine steps.
+- When a compressed setting runs and dense checkpoints would fit (every replica's occupancy times its
+  compression ratio below `fit_occupancy`, no evictions), dense is tried the same way ("relax"); it is promoted
+  unless it loses by more than `hysteresis` (at equal TTFT dense is preferred: its answers are the model's).
+- When requests recompute many tokens between their checkpoint and the end of their KV match (`replayed`, mean
+  per request at or above `replay_trigger`: a conversation's next turn resumes far behind where the last answer
+  ended), a checkpoint interval near half of that is tried ("interval"), judged like a climb.
+Every change bumps a version; replicas poll their assignment and apply it between engine steps. Each decision
+is logged with its evidence (the windows' means that started the trial; the TTFTs that judged it): /status.
 
 Answer quality is the operator's decision, not a side effect: the ladder keeps only the settings the model's
 allowance permits (`allowed`, measured by `python -m app.calibrate MODEL`; docs/serving.md, "Answer quality:
@@ -28,8 +35,9 @@ taken as a baseline): its TTFT measures the overload, not the setting.
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from app.dasc.allowance import W_VALUES, setting_label
 
@@ -41,8 +49,13 @@ class Setting:
     interval: int = 0
 
     @property
-    def label(self) -> str:
+    def codec(self) -> str:
+        """What the allowance rules on: dense, nr-W16, wr-W512, ..."""
         return setting_label(self.w_max, self.policy)
+
+    @property
+    def label(self) -> str:
+        return self.codec + (f"/I{self.interval}" if self.interval else "")
 
 
 @dataclass(frozen=True)
@@ -60,18 +73,28 @@ class TunerKnobs:
     cooldown_windows: int = 10
     allowed: tuple[str, ...] | None = None  # labels the allowance permits; None: none measured, only dense
     max_running: int | None = None  # a window with more requests waiting than this is not judged
+    fit_occupancy: float = 0.8  # dense would fit: occupancy x compression below this on every replica
+    replay_trigger: float = 64.0  # mean tokens replayed per request that starts an interval trial
+    intervals: tuple[int, ...] = (32, 64, 128, 256)  # checkpoint intervals the controller may pick
 
     def permits(self, setting: Setting) -> bool:
-        return setting.w_max is None or (self.allowed is not None and setting.label in self.allowed)
+        return setting.w_max is None or (self.allowed is not None and setting.codec in self.allowed)
 
-    def ladder(self) -> list[Setting]:
-        """Dense, then per W_max: nr within the nr cap if allowed, else wr within the wr cap if allowed."""
-        rungs = [Setting(None, "nr", self.interval)]
+    def ladder(self, interval: int | None = None) -> list[Setting]:
+        """Dense, then per W_max: nr within the nr cap if allowed, else wr within the wr cap if allowed; each at
+        `interval` (default: the configured one)."""
+        interval = self.interval if interval is None else interval
+        rungs = [Setting(None, "nr", interval)]
         for w in self.w_values:
-            options = [Setting(w, "nr", self.interval)] if w <= self.max_w_nr else []
-            options += [Setting(w, "wr", self.interval)] if w <= self.max_w_wr else []
+            options = [Setting(w, "nr", interval)] if w <= self.max_w_nr else []
+            options += [Setting(w, "wr", interval)] if w <= self.max_w_wr else []
             rungs += [s for s in options if self.permits(s)][:1]
         return rungs
+
+    def interval_for(self, replayed: float) -> int:
+        """The candidate interval nearest (in ratio) to half the tokens requests replay: a next turn then resumes
+        at most one interval behind where it could, for one checkpoint per interval of prompt and answer."""
+        return min(self.intervals, key=lambda i: abs(math.log(i / max(replayed / 2, 1.0))))
 
 
 @dataclass(frozen=True)
@@ -88,6 +111,8 @@ class Window:
     wr_replay_s: float = 0.0
     waiting: int = 0  # requests queued in the replica's engine (the peak the replica saw in the window)
     rejected: int = 0  # requests the replica refused in the window (admission control)
+    replayed: float = 0.0  # mean tokens per admitted request recomputed between its checkpoint and its KV match's end
+    compression: float = 1.0  # dense checkpoint bytes over the running setting's
 
 
 @dataclass
@@ -98,6 +123,8 @@ class Trial:
     control: list[float] = field(default_factory=list)
     ticks: int = 0  # windows closed since the trial started
     baseline_hit: float | None = None  # the trial replica's hit rate before the trial
+    kind: str = "climb"  # climb (more compression), relax (less) or interval
+    evidence: dict = field(default_factory=dict)  # the windows' means that started it
 
 
 class Tuner:
@@ -143,8 +170,16 @@ class Tuner:
             return self._judge(usable)
         for w in usable:
             self.recent[w.replica] = (self.recent.get(w.replica, []) + [w])[-self.knobs.trial_windows:]
+        evidence = _evidence(windows)
         if any(w.evictions > 0 or w.occupancy >= self.knobs.pressure_occupancy for w in windows):
-            return self._start_trial()
+            return self._start_trial(self._next_rung(), "climb", evidence)
+        if usable and self.current.w_max is not None and all(
+                w.occupancy * w.compression < self.knobs.fit_occupancy for w in windows):
+            return self._start_trial(self._cool(Setting(None, "nr", self.current.interval)), "relax", evidence)
+        if usable and statistics.fmean(w.replayed for w in usable) >= self.knobs.replay_trigger:
+            interval = self.knobs.interval_for(statistics.fmean(w.replayed for w in usable))
+            if interval != self.current.interval:
+                return self._start_trial(self._cool(replace(self.current, interval=interval)), "interval", evidence)
         return None
 
     def _overloaded(self, w: Window) -> bool:
@@ -152,23 +187,28 @@ class Tuner:
         (trial and control alike), since their TTFTs measure the overload, not the settings."""
         return w.rejected > 0 or (self.knobs.max_running is not None and w.waiting > self.knobs.max_running)
 
-    def _start_trial(self) -> str | None:
-        nxt = self._next_rung()
-        if nxt is None or not self.replicas:
+    def _start_trial(self, setting: Setting | None, kind: str, evidence: dict) -> str | None:
+        if setting is None or not self.replicas:
             return None
         replica = sorted(self.replicas)[0]
         before = self.recent.get(replica)
-        self.trial = Trial(nxt, replica, baseline_hit=statistics.fmean(w.hit_rate for w in before) if before else None)
+        self.trial = Trial(setting, replica, baseline_hit=statistics.fmean(w.hit_rate for w in before)
+                           if before else None, kind=kind, evidence=evidence)
         self.version += 1
-        return self._log("trial", nxt)
+        return self._log("trial", setting, kind=kind, evidence=evidence)
+
+    def _rung(self) -> tuple[list[Setting], int | None]:
+        """The ladder at the current interval, and the current setting's place on it (None: off the ladder)."""
+        ladder = self.knobs.ladder(self.current.interval)
+        return ladder, ladder.index(self.current) if self.current in ladder else None
+
+    def _cool(self, setting: Setting) -> Setting | None:
+        return setting if self.cooldown.get(setting, -1) < self.window_index else None
 
     def _next_rung(self) -> Setting | None:
-        ladder = self.knobs.ladder()
-        start = ladder.index(self.current) + 1 if self.current in ladder else 0
-        for rung in ladder[start:]:
-            if self.cooldown.get(rung, -1) < self.window_index:
-                return rung
-        return None
+        ladder, at = self._rung()
+        return next((r for r in ladder[(at + 1 if at is not None else 0):] if self._cool(r)), None)
+
 
     def _judge(self, usable: list[Window]) -> str | None:
         t = self.trial
@@ -186,25 +226,28 @@ class Tuner:
         control = t.control or [w.ttft_mean_s for w in self.recent.get(t.replica, [])]
         self.trial = None
         self.version += 1
-        if control and statistics.fmean(t.ttft) < statistics.fmean(control) * (1 - self.knobs.hysteresis):
+        # a climb or an interval must win by the margin; a relax (less compression) must not lose by more than it
+        margin = 1 + self.knobs.hysteresis if t.kind == "relax" else 1 - self.knobs.hysteresis
+        judged = {"kind": t.kind, "trial_ttft": statistics.fmean(t.ttft),
+                  "control_ttft": statistics.fmean(control) if control else None}
+        if control and statistics.fmean(t.ttft) < statistics.fmean(control) * margin:
             self.current = t.setting
             self.recent = {}
-            return self._log("promote", t.setting, trial_ttft=statistics.fmean(t.ttft),
-                             control_ttft=statistics.fmean(control))
+            return self._log("promote", t.setting, **judged)
         self.cooldown[t.setting] = self.window_index + self.knobs.cooldown_windows
-        return self._log("reject", t.setting, trial_ttft=statistics.fmean(t.ttft),
-                         control_ttft=statistics.fmean(control) if control else None)
+        return self._log("reject", t.setting, **judged)
 
-    def _log(self, kind: str, setting: Setting, **extra) -> str:
-        self.decisions.append({"window": self.window_index, "decision": kind, "setting": asdict(setting), **extra})
-        return f"{kind} {setting.label}"
+    def _log(self, decision: str, setting: Setting, **extra) -> str:
+        self.decisions.append({"window": self.window_index, "decision": decision, "setting": asdict(setting),
+                               "label": setting.label, **extra})
+        return f"{decision} {setting.label}"
 
     def state(self) -> dict:
-        rungs = self.knobs.ladder()
+        rungs, at = self._rung()
         return {
             "version": self.version, "window": self.window_index, "enabled": self.enabled,
             "current": asdict(self.current), "current_label": self.current.label,
-            "current_rung": rungs.index(self.current) if self.current in rungs else -1,
+            "current_rung": -1 if at is None else at,
             "trial": (None if self.trial is None
                       else {"setting": asdict(self.trial.setting), "replica": self.trial.replica}),
             "trial_running": self.trial is not None, "decisions": self.decisions[-20:],
@@ -213,6 +256,15 @@ class Tuner:
             "current_allowed": self.knobs.permits(self.current), "overloaded_windows": self.overloaded_windows,
             "allowance": _figures(self.allowance),
         }
+
+
+def _evidence(windows: list[Window]) -> dict:
+    """What a trial starts from: the tick's windows' means (evictions summed)."""
+    if not windows:
+        return {}
+    mean = {k: round(statistics.fmean(getattr(w, k) for w in windows), 4)
+            for k in ("occupancy", "compression", "replayed", "hit_rate")}
+    return {**mean, "evictions": sum(w.evictions for w in windows), "windows": len(windows)}
 
 
 def _figures(record: dict | None) -> dict | None:

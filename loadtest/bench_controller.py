@@ -1,10 +1,22 @@
-"""Controller benchmark: `python -m loadtest.bench_controller [--out docs/benchmarks.md]`.
+"""Controller benchmark: `python -m loadtest.bench_controller [--out docs/benchmarks.md]` (about 20 minutes on 2
+cores).
 
-A prefix-reuse workload whose working set exceeds dense checkpoint capacity, served by 1 replica of
-kda-tiny: first a sweep of static settings (controller off), then the controller starting from dense. Each
-arm runs the same rounds of the same prompts; the last `--measure` rounds are measured (the controller arm
-has had the earlier rounds to tune). Reported: hit rate, mean and p90 TTFT, and for the controller its
-final setting and decisions; the comparison is against the best and the worst static setting.
+The tuning controller against static settings in three situations, 1 replica of kda-tiny, one Ray cluster:
+
+- overflow: a prefix-reuse working set (24 prompts, walked round after round) larger than the dense checkpoint
+  budget (about 12 dense kda-tiny checkpoints): the controller starts at dense and should climb to a compressed
+  setting.
+- fits: the same with 6 prompts, which dense holds: started at nr-W64, it should come back to dense (or stay
+  within its trial windows of the best).
+- chat: conversations with long answers, whose client keeps only the answer's complete lines (so a next turn
+  leaves the generated tokens just before their end, past the generation-end checkpoint), in a budget with room
+  for interval checkpoints: started without them, it should pick an interval.
+
+Each arm runs the same rounds (each round new prompts of the same shape for chat, the same prompts reshuffled
+otherwise); the last `--measure` rounds are measured (the controller has had the earlier ones to tune). The
+controller may use what the model's measured allowance permits (allowance.json). Reported per situation: hit
+rate, mean and p90 TTFT of each arm, the controller's final setting and decisions, and its mean TTFT against the
+best static setting's and against its start setting's.
 Results: loadtest/results/bench_controller_cpu.json, variant the model; --out DOC replaces that variant's block
 in DOC (loadtest/sections.py).
 """
@@ -18,32 +30,47 @@ import time
 
 from loadtest.common import start_run, table
 from loadtest.sections import publish
-from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
+from loadtest.serve_harness import cluster, deployed, prefix_prompts, summarise
+from loadtest.workloads import chat, chat_openers, drive
 
-STATIC = ({"w_max": None}, {"w_max": 16}, {"w_max": 64}, {"w_max": 128}, {"w_max": 512, "policy": "wr"})
+SITUATIONS = {
+    # name: (static settings, the controller's start setting)
+    "overflow": ([{}, {"w_max": 16}, {"w_max": 64}, {"w_max": 128}, {"w_max": 512, "policy": "wr"}], {}),
+    "fits": ([{}, {"w_max": 16}, {"w_max": 64}], {"w_max": 64}),
+    "chat": ([{}, {"interval": 32}, {"interval": 64}, {"interval": 128}, {"interval": 256}], {}),
+}
 
 
 def label(s: dict) -> str:
-    return "dense" if s.get("w_max") is None else f"{s.get('policy', 'nr')}-W{s['w_max']}"
+    base = "dense" if s.get("w_max") is None else f"{s.get('policy', 'nr')}-W{s['w_max']}"
+    return base + (f"/I{s['interval']}" if s.get("interval") else "")
 
 
-def run(arm: str, engine: dict, controller: bool, args) -> dict:
+def one_round(url: str, situation: str, r: int, args) -> list[dict]:
+    if situation == "chat":
+        openers = chat_openers(args.seed * 1000 + r, args.conversations)
+        return chat(url, args.model, openers, args.turns, args.answer_tokens, args.concurrency, args.seed + r,
+                    whole_lines=True)
+    prompts = prefix_prompts(24 if situation == "overflow" else 6, 1, args.seed)
+    random.Random(args.seed + r).shuffle(prompts)
+    return drive(url, args.model, prompts, args.concurrency)
+
+
+def run(url: str, situation: str, arm: str, engine: dict, controller: bool, args) -> dict:
     app = {"model": args.model, "replicas": 1, "replica_cpus": 1.0,
-           "engine": {"checkpoint_budget_mb": args.budget_mb, **engine},
+           "engine": {"checkpoint_budget_mb": args.chat_budget_mb if situation == "chat" else args.budget_mb,
+                      **engine},
            "controller": {"enabled": controller, "window_s": args.window_s, "trial_windows": 1, "min_requests": 2,
                           "max_w_nr": 128, "max_w_wr": 512}}
-    prompts = prefix_prompts(args.groups, 1, args.seed)
-    measured = []
-    with serve_app(app) as url:
+    rounds = args.chat_rounds if situation == "chat" else args.rounds
+    measured, state = [], None
+    with deployed(url, app):
         t_start = time.perf_counter()
-        for r in range(args.rounds):
+        for r in range(rounds):
             t0 = time.perf_counter()
-            order = prompts[:]
-            random.Random(args.seed + r).shuffle(order)
-            results = drive(url, order, args.concurrency, args.model)
-            if r >= args.rounds - args.measure:
+            results = one_round(url, situation, r, args)
+            if r >= rounds - args.measure:
                 measured.append((results, time.perf_counter() - t0))
-        state = None
         if controller:
             import ray
 
@@ -52,10 +79,12 @@ def run(arm: str, engine: dict, controller: bool, args) -> dict:
             state = ray.get(controller_mod.lookup().state.remote())
         elapsed = time.perf_counter() - t_start
     allres = [x for res, _ in measured for x in res]
-    row = {"arm": arm, **summarise(allres, sum(w for _, w in measured)), "wall_s": elapsed}
+    row = {"situation": situation, "arm": arm, **summarise(allres, sum(w for _, w in measured)), "wall_s": elapsed}
     if state:
         row["final_setting"] = state["current_label"]
-        row["decisions"] = [f"{d['decision']} {d['setting']}" for d in state["decisions"]]
+        row["decisions"] = [f"{d['decision']} {d['label']}" for d in state["decisions"]]
+        row["evidence"] = [{k: d[k] for k in ("decision", "label", "kind", "evidence", "trial_ttft", "control_ttft")
+                            if k in d} for d in state["decisions"]]
     print(json.dumps(row), flush=True)
     return row
 
@@ -63,27 +92,38 @@ def run(arm: str, engine: dict, controller: bool, args) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
-    p.add_argument("--groups", type=int, default=24, help="distinct prefixes in the working set")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--measure", type=int, default=5)
+    p.add_argument("--situations", nargs="+", default=list(SITUATIONS), choices=list(SITUATIONS))
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--chat-rounds", type=int, default=8)
+    p.add_argument("--measure", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--answer-tokens", type=int, default=160)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--budget-mb", type=float, default=1.5, help="about 12 dense kda-tiny checkpoints")
+    p.add_argument("--chat-budget-mb", type=float, default=6.0, help="chat: room for interval checkpoints")
     p.add_argument("--window-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     record = start_run("bench_controller", {k: v for k, v in vars(args).items() if k != "out"}, argv)
-    rows = [run(label(s), s, False, args) for s in STATIC]
-    rows.append(run("controller", {}, True, args))
-    static = rows[:-1]
-    best = min(static, key=lambda r: r["ttft_mean_ms"])
-    worst = max(static, key=lambda r: r["ttft_mean_ms"])
-    ctrl = rows[-1]
-    md = table(["arm", "hit rate", "TTFT mean ms", "TTFT p90 ms", "failed"],
-               [[r["arm"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["failed"]] for r in rows])
-    md += (f"\n\nController final setting: {ctrl.get('final_setting')}; decisions: {ctrl.get('decisions')}.\n"
-           f"Mean TTFT vs best static ({best['arm']}): {ctrl['ttft_mean_ms'] / best['ttft_mean_ms']:.2f}x; "
-           f"vs worst static ({worst['arm']}): {ctrl['ttft_mean_ms'] / worst['ttft_mean_ms']:.2f}x.\n")
+    rows, lines = [], []
+    with cluster(num_cpus=4) as url:
+        for situation in args.situations:
+            static, start = SITUATIONS[situation]
+            arms = [run(url, situation, label(s), s, False, args) for s in static]
+            ctrl = run(url, situation, f"controller (from {label(start)})", start, True, args)
+            rows += arms + [ctrl]
+            best = min(arms, key=lambda r: r["ttft_mean_ms"])
+            first = next(r for r in arms if r["arm"] == label(start))
+            lines.append(f"- {situation}: controller ended at {ctrl.get('final_setting')}; mean TTFT "
+                         f"{ctrl['ttft_mean_ms'] / best['ttft_mean_ms']:.2f}x the best static ({best['arm']}), "
+                         f"{ctrl['ttft_mean_ms'] / first['ttft_mean_ms']:.2f}x its start ({first['arm']}); "
+                         f"decisions: {', '.join(ctrl.get('decisions') or ['none'])}")
+    md = table(["situation", "arm", "hit rate", "TTFT mean ms", "TTFT p90 ms", "failed"],
+               [[r["situation"], r["arm"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["failed"]]
+                for r in rows])
+    md += "\n\n" + "\n".join(lines) + "\n"
     publish(record, args.model, {"rows": rows}, md, args.out, "Controller vs static settings")
 
 

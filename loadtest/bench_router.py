@@ -1,13 +1,18 @@
-"""Router benchmark: `python -m loadtest.bench_router [--out docs/benchmarks.md]`.
+"""Router benchmark: `python -m loadtest.bench_router [--out docs/benchmarks.md]` (about 25 minutes on 2 cores).
 
-One run, same workload and seed, three request routers in front of 2 replicas of kda-tiny (dense checkpoints,
-controller off): ours (prefix-aware, digests of held checkpoints), Ray's default power-of-two choices, and
-Ray's PrefixCacheAffinityRouter (text-prefix tree). Workload (few-shot style): `groups` long shared headers
-with short distinct queries; a warm-up pass, then the timed pass with new queries on the same headers, so
-every hit comes from a header checkpoint. The budget holds about 18 dense checkpoints per replica: enough for
-half of the headers plus the traffic's prompt-end checkpoints, not for all of them, which is where
-steering each header to one replica pays. Each request asks for one token (latency = TTFT). Reported:
-token-weighted hit rate, mean and p90 TTFT, requests per replica.
+Request routers in front of replicas of kda-tiny (dense checkpoints, controller off), on three workloads
+(loadtest/workloads.py: few-shot headers, multi-turn chat with growing histories, the paper's reuse-distance
+replay), each over several seeds. Arms: ours (prefix-aware, predicted cost from the replicas' checkpoint digests
+and load), Ray's default power-of-two choices, Ray's PrefixCacheAffinityRouter (text-prefix tree), and one
+replica holding both replicas' checkpoint budget (the hit-rate ceiling for the same bytes; reported only). The
+few-shot workload also runs at 4 replicas, for hit rate.
+
+One Ray cluster serves every arm; each (workload, arm) is a fresh deployment that runs the seeds one after the
+other (each seed's prompts are new text, so an earlier seed's checkpoints only take room, as on a live server).
+The checkpoint budget holds about 18 dense checkpoints per replica: less than the working set, so where a prefix
+goes decides whether it hits. TTFT is the time to the first streamed chunk; the hit rate is token-weighted.
+Reported per workload and arm: the median over seeds of hit rate, mean TTFT, p90 TTFT and max/min requests per
+replica, and ratios against Ray's PrefixCacheAffinityRouter.
 Results: loadtest/results/bench_router_cpu.json, variant the model; --out DOC replaces that variant's block in
 DOC (loadtest/sections.py).
 """
@@ -16,48 +21,105 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from loadtest.common import start_run, table
 from loadtest.sections import publish
-from loadtest.serve_harness import drive, prefix_prompts, serve_app, summarise
+from loadtest.serve_harness import cluster, deployed, summarise
+from loadtest.workloads import chat, chat_openers, drive, few_shot, reuse_phases
 
-KINDS = ("prefix", "pow2", "prefix_affinity")
+ARMS = ("prefix", "pow2", "prefix_affinity", "single")
+WORKLOADS = ("few-shot", "chat", "reuse")
+REFERENCE = "prefix_affinity"
 
 
-def run(kind: str, args) -> dict:
-    app = {"model": args.model, "replicas": 2, "replica_cpus": 0.5,
-           "engine": {"checkpoint_budget_mb": args.budget_mb},
-           "router": {"kind": kind, "stats_period_s": 1.0}, "controller": {"enabled": False}}
-    warm = prefix_prompts(args.groups, args.per_group, args.seed)
-    timed = prefix_prompts(args.groups, args.per_group, args.seed, tail_seed=args.seed + 1)  # new queries
-    with serve_app(app) as url:
-        drive(url, warm, args.concurrency, args.model)
+def app_args(arm: str, replicas: int, args) -> dict:
+    single = arm == "single"
+    return {"model": args.model, "replicas": 1 if single else replicas, "replica_cpus": 0.5,
+            "engine": {"checkpoint_budget_mb": args.budget_mb * (replicas if single else 1)},
+            "router": {"kind": "pow2" if single else arm, "stats_period_s": 1.0},
+            "controller": {"enabled": False}}
+
+
+def run_seed(url: str, workload: str, seed: int, args) -> list[dict]:
+    """The measured requests of one seed of `workload`."""
+    if workload == "few-shot":
+        warm, timed = few_shot(seed, args.groups, args.per_group)
+        drive(url, args.model, warm, args.concurrency)
         time.sleep(2.5)  # digests refresh
-        t0 = time.perf_counter()
-        results = drive(url, timed, args.concurrency, args.model)
-        row = {"router": kind, **summarise(results, time.perf_counter() - t0)}
-    print(json.dumps(row), flush=True)
-    return row
+        return drive(url, args.model, timed, args.concurrency)
+    if workload == "chat":
+        return chat(url, args.model, chat_openers(seed, args.conversations), args.turns, args.answer_tokens,
+                    args.concurrency, seed)
+    return drive(url, args.model, reuse_phases(seed, tuple(args.phases)), args.concurrency)
+
+
+def per_replica_ratio(row: dict) -> float:
+    counts = row["requests_per_replica"]
+    return counts[0] / counts[-1] if len(counts) > 1 and counts[-1] else float("inf") if len(counts) > 1 else 1.0
+
+
+def run_arm(url: str, workload: str, arm: str, replicas: int, args) -> dict:
+    rows = []
+    with deployed(url, app_args(arm, replicas, args)):
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            results = run_seed(url, workload, seed, args)
+            row = {"seed": seed, **summarise(results, time.perf_counter() - t0)}
+            row["max_min"] = per_replica_ratio(row)
+            rows.append(row)
+            print(json.dumps({"workload": workload, "replicas": replicas, "arm": arm, **row}), flush=True)
+    med = {k: statistics.median(r[k] for r in rows) for k in ("hit_rate", "ttft_mean_ms", "ttft_p90_ms", "max_min")}
+    return {"workload": workload, "replicas": replicas, "arm": arm, "failed": sum(r["failed"] for r in rows),
+            "seeds": rows, **{f"median_{k}": v for k, v in med.items()}}
+
+
+def verdicts(arms: list[dict]) -> dict:
+    """Ours against Ray's PrefixCacheAffinityRouter on one workload (medians over seeds)."""
+    by = {a["arm"]: a for a in arms}
+    ours, ref = by["prefix"], by[REFERENCE]
+    return {"hit_delta": ours["median_hit_rate"] - ref["median_hit_rate"],
+            "ttft_ratio": ours["median_ttft_mean_ms"] / ref["median_ttft_mean_ms"]}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
-    p.add_argument("--groups", type=int, default=12)
-    p.add_argument("--per-group", type=int, default=6)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--budget-mb", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--groups", type=int, default=12, help="few-shot: headers")
+    p.add_argument("--per-group", type=int, default=4, help="few-shot: queries per header and pass")
+    p.add_argument("--conversations", type=int, default=8, help="chat: conversations")
+    p.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    p.add_argument("--answer-tokens", type=int, default=16, help="chat: tokens per answer")
+    p.add_argument("--phases", type=int, nargs="+", default=[24, 12, 6, 3], help="reuse: working set per phase")
+    p.add_argument("--wide-replicas", type=int, default=4, help="few-shot again at this many replicas (0: skip)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--budget-mb", type=float, default=2.0, help="per replica: about 18 dense kda-tiny checkpoints")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
-    record = start_run("bench_router", config, argv)
-    rows = [run(kind, args) for kind in KINDS]
-    md = table(["router", "requests", "failed", "hit rate", "TTFT mean ms", "TTFT p90 ms", "per replica"],
-               [[r["router"], r["requests"], r["failed"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"],
-                 "/".join(map(str, r["requests_per_replica"]))] for r in rows])
-    publish(record, args.model, {"rows": rows}, md, args.out, "Router: prefix-aware vs Ray's routers")
+    record = start_run("bench_router", {k: v for k, v in vars(args).items() if k != "out"}, argv)
+    results = []
+    with cluster(num_cpus=4) as url:
+        for workload in args.workloads:
+            results += [run_arm(url, workload, arm, 2, args) for arm in args.arms]
+        if args.wide_replicas and "few-shot" in args.workloads:
+            results += [run_arm(url, "few-shot", arm, args.wide_replicas, args) for arm in args.arms if arm != "single"]
+    md = table(["workload", "replicas", "router", "failed", "hit rate", "TTFT mean ms", "TTFT p90 ms", "max/min"],
+               [[r["workload"], 1 if r["arm"] == "single" else r["replicas"], r["arm"], r["failed"],
+                 r["median_hit_rate"], r["median_ttft_mean_ms"], r["median_ttft_p90_ms"], r["median_max_min"]]
+                for r in results])
+    lines = []
+    for workload in dict.fromkeys((r["workload"], r["replicas"]) for r in results):
+        arms = [r for r in results if (r["workload"], r["replicas"]) == workload]
+        if {"prefix", REFERENCE} <= {a["arm"] for a in arms}:
+            v = verdicts(arms)
+            lines.append(f"- {workload[0]}, {workload[1]} replicas: ours vs PrefixCacheAffinityRouter: hit rate "
+                         f"{v['hit_delta']:+.3f}, mean TTFT {v['ttft_ratio']:.2f}x")
+    md += "\n\nMedians over seeds " + ", ".join(map(str, args.seeds)) + ".\n\n" + "\n".join(lines) + "\n"
+    publish(record, args.model, {"arms": results}, md, args.out, "Router: prefix-aware vs Ray's routers")
 
 
 if __name__ == "__main__":

@@ -21,32 +21,50 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_app(args: dict, num_cpus: int = 4):
-    """Yields the base URL of a fresh local cluster serving `build_app(args)`; tears everything down."""
+def cluster(num_cpus: int = 4):
+    """Yields the base URL of a fresh local Ray cluster with Serve listening on loopback; tears it down."""
     import ray
     from ray import serve
-
-    from deployments import controller as controller_mod
-    from deployments.builder import build_app
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)  # never a stale one
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="dasc", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextmanager
+def deployed(url: str, args: dict):
+    """`build_app(args)` served at `url` (a `cluster`) until the block ends; then deleted with its controller."""
+    import ray
+    from ray import serve
+
+    from deployments import controller as controller_mod
+    from deployments.builder import build_app
+
+    serve.run(build_app(args), name="dasc", route_prefix="/")
+    try:
         deadline = time.time() + 120
         while httpx.get(f"{url}/health", timeout=5).status_code != 200 and time.time() < deadline:
             time.sleep(0.5)
         yield url
     finally:
+        serve.delete("dasc")
         try:
             ray.kill(controller_mod.lookup(), no_restart=True)
         except ValueError:
             pass
-        serve.shutdown()
-        ray.shutdown()
+
+
+@contextmanager
+def serve_app(args: dict, num_cpus: int = 4):
+    """Yields the base URL of a fresh local cluster serving `build_app(args)`; tears everything down."""
+    with cluster(num_cpus) as url, deployed(url, args):
+        yield url
 
 
 def prefix_prompts(groups: int, per_group: int, seed: int, header_lines: int = 40,

@@ -301,6 +301,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 async def _stream_completions(outputs, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
     created, prompt_t, comp_t, cached, seen, lps, prompt_lps, compressed = now(), 0, 0, 0, set(), {}, {}, False
+    first = None
     late_echo = body.echo and params.logprobs is not None  # the echo chunk waits for the prompt's logprobs
     if body.echo and not late_echo:
         for i, prompt in enumerate(prompts):
@@ -313,7 +314,7 @@ async def _stream_completions(outputs, prompts, params, body, rid, settings, tok
             if late_echo and (i, out.index) not in lps:
                 lp = lps.setdefault((i, out.index), CompletionLogprobs(tok)).chunk(prompts[i], prompt_lps[i])
                 yield _text_chunk(rid, created, settings, i * params.n + out.index, tok.decode(prompts[i]), None, lp)
-            compressed = compressed or out.compressed_hit
+            compressed, first = compressed or out.compressed_hit, first or out
             if i not in seen:
                 seen.add(i)
                 prompt_t, cached = prompt_t + out.prompt_tokens, cached + out.cached_tokens
@@ -327,7 +328,8 @@ async def _stream_completions(outputs, prompts, params, body, rid, settings, tok
                                   lp)
     if body.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-               "choices": [], "usage": usage(prompt_t, comp_t, cached, compressed)}
+               "choices": [], "usage": usage(prompt_t, comp_t, cached, compressed),
+               **({"system_fingerprint": _fingerprint(first)} if first is not None else {})}
 
 
 async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]:
@@ -347,7 +349,8 @@ async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]
                        "model": settings.model_name, "choices": [choice]}
     if body.include_usage and head is not None:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
-               "choices": [], "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens, compressed)}
+               "system_fingerprint": _fingerprint(head), "choices": [],
+               "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens, compressed)}
 
 
 def _text_chunk(rid, created, settings, index, text, finish_reason, logprobs: dict | None = None) -> dict:

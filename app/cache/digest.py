@@ -46,12 +46,22 @@ def matched_blocks(chain: list[int], known: set[int] | frozenset[int]) -> int:
 def tree_digest(tree, block: int, limit: int = 8192) -> list[int]:
     """Block hashes of the prefixes of the tree's checkpoints (each chain seeded by its root's salt), most
     recently used checkpoints first, at most `limit` hashes."""
+    return checkpoint_digest(tree, block, limit)[0]
+
+
+def checkpoint_digest(tree, block: int, limit: int = 8192) -> tuple[list[int], list[int]]:
+    """(`tree_digest`, the marks): per checkpoint, the hash of the last full block of its prefix. A request whose
+    chain holds a mark at block i can resume from a checkpoint at least (i + 1) * block tokens deep (the tokens
+    between that block's end and the checkpoint are not hashed; a router counts only the hashed ones)."""
     nodes = sorted((n for n in tree.nodes() if n.checkpoint is not None), key=lambda n: -n.ckpt_access)
     seen: dict[int, None] = {}
+    marks: dict[int, None] = {}
     for node in nodes:
         salt, tokens = tree.path(node)
-        for h in block_hashes(tokens, block, salt):
-            seen.setdefault(h)
+        chain = block_hashes(tokens, block, salt)
+        seen.update(dict.fromkeys(chain))
+        if chain:
+            marks.setdefault(chain[-1])
         if len(seen) >= limit:
             break
-    return list(seen)[:limit]
+    return list(seen)[:limit], list(marks)

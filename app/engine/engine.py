@@ -145,12 +145,16 @@ class Engine:
         """One step. If it raises (a device fault, a dead TP rank), nothing leaks: the KV slots allocated for
         the step's pieces go back to the pool, and the requests that had a piece in it are aborted, as their
         states may be half-written (`_drop_failed_step`); the other requests stay queued. Then it re-raises."""
+        t0 = time.perf_counter()
         works = self.scheduler.schedule()
         try:
-            return self._step(works)
+            outputs = self._step(works)
         except BaseException:
             self._drop_failed_step(works)
             raise
+        if works:
+            self.telemetry.step_cost.add(sum(w.end - w.start for w in works), time.perf_counter() - t0)
+        return outputs
 
     def _drop_failed_step(self, works: list[Work]) -> None:
         for w in works:

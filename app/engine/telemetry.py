@@ -9,6 +9,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from app.engine.load import StepCost
 from app.engine.request import Sequence
 
 
@@ -42,6 +43,7 @@ class Telemetry:
         self.spec_accepted = 0  # of them, accepted
         self.spec_verifies = 0  # verify pieces
         self.spec_accepted_hist: dict[int, int] = {}  # accepted drafts per verify piece -> pieces
+        self.step_cost = StepCost()  # step time against tokens per step (what a router predicts TTFT from)
 
     def on_verify(self, drafted: int, accepted: int) -> None:
         self.spec_drafted += drafted

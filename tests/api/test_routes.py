@@ -66,6 +66,7 @@ async def test_include_usage_adds_a_final_usage_chunk(app):
             assert last["usage"]["completion_tokens"] == GREEDY["max_tokens"], kind
             assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + GREEDY["max_tokens"], kind
             assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, kind  # the plain request's prefix
+            assert last["system_fingerprint"] == plain["system_fingerprint"], kind  # the replica that served it
             assert all("usage" not in e for e in events[:-2] + plain_events[:-1]), kind
             assert len(plain_events) == len(events) - 1, kind
 

@@ -1,12 +1,12 @@
-"""The router's memory (`RouterMemory`, driven by a scripted clock) and the tie-breaks of `rank`: what the
-router knows of each replica between digests, when it forgets, and which replica wins among equals."""
+"""The router's memory (`RouterMemory`, driven by a scripted clock): what the router knows of each replica between
+digests (the prefixes and the prefill it sent there), and when it forgets."""
 
 from __future__ import annotations
 
 from app.cache.digest import block_hashes
-from deployments.routing_policy import Candidate, RouterKnobs, RouterMemory, rank
+from deployments.routing_policy import RouterKnobs, RouterMemory, rank
 
-KNOBS = RouterKnobs(block_size=4, min_match_tokens=8, max_queue_gap=2, max_ratio=1.4, share_window=20)
+KNOBS = RouterKnobs(block_size=4, share_window=20)
 CHAIN = block_hashes(list(range(40)), 4)  # 10 blocks
 
 
@@ -44,13 +44,39 @@ def test_routing_a_prefix_again_refreshes_its_hashes():
 
 def test_the_digest_is_reread_only_when_its_version_changes():
     memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
-    first = memory.candidate("a", {"version": 1, "digest": CHAIN[:3], "queue": 2}, None)
-    assert first.known == frozenset(CHAIN[:3]) and first.queue_len == 2
-    same = memory.candidate("a", {"version": 1, "digest": CHAIN, "queue": 5}, None)
-    assert same.known == frozenset(CHAIN[:3]) and same.queue_len == 5  # the queue is always read
+    first = memory.candidate("a", {"version": 1, "digest": CHAIN[:3], "marks": CHAIN[2:3], "queue": 2}, None)
+    assert first.known == frozenset(CHAIN[:3]) and first.marks == {CHAIN[2]} and first.queue_len == 2
+    same = memory.candidate("a", {"version": 1, "digest": CHAIN, "queue": 5, "prefill_tokens": 7}, None)
+    assert same.known == frozenset(CHAIN[:3]) and same.queue_len == 5 and same.queued == 7  # the load: always
     assert memory.candidate("a", {"version": 2, "digest": CHAIN[5:], "queue": 0}, None).known == frozenset(CHAIN[5:])
     memory.routed("a", CHAIN[:2])
     assert memory.candidate("a", {"version": 2, "digest": CHAIN[5:]}, None).known == frozenset(CHAIN[:2] + CHAIN[5:])
+
+
+def test_a_sent_prefix_a_later_digest_does_not_hold_is_forgotten():
+    """Within settle_s of sending, a digest may predate the request, so the memory keeps the prefix; a digest first
+    seen later than that which lacks it (evicted, or dropped by a codec change) makes the router forget it."""
+    clock = _Clock()
+    memory = RouterMemory(remember_s=30.0, share_window=8, settle_s=2.0, clock=clock)
+    memory.routed("a", CHAIN)
+    clock.now += 1.0
+    assert memory.candidate("a", {"version": 1, "digest": []}, None).known == frozenset(CHAIN)  # too soon to tell
+    clock.now += 2.0
+    assert memory.candidate("a", {"version": 2, "digest": CHAIN[:4]}, None).known == frozenset(CHAIN[:4])
+    memory.routed("a", CHAIN)
+    clock.now += 3.0
+    assert memory.candidate("a", {"version": 3, "digest": CHAIN}, None).known == frozenset(CHAIN)  # held: kept
+
+
+def test_prefill_sent_since_the_last_stats_adds_to_the_reported_queue():
+    memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
+    stats = {"version": 1, "prefill_tokens": 100, "decoding": 2, "step_token_s": 1e-4, "resume_tokens": 64}
+    assert memory.candidate("a", stats, None).queued == 100
+    memory.routed("a", CHAIN, 300)
+    memory.routed("a", CHAIN, 50)
+    c = memory.candidate("a", stats, None)
+    assert (c.queued, c.decoding, c.token_s, c.resume) == (450, 2, 1e-4, 64)
+    assert memory.candidate("a", {**stats, "version": 2, "prefill_tokens": 80}, None).queued == 80  # counted there
 
 
 def test_queue_length_prefers_the_fresher_value():
@@ -69,15 +95,15 @@ def test_recent_counts_cover_the_last_share_window_decisions():
 
 
 def test_a_new_prefix_sticks_to_its_replica_until_remember_s_passes():
-    """No digest shows the prefix: only the memory keeps its repeats on the replica the first one went to
-    (max_ratio high enough that the share limit does not interfere)."""
-    knobs = RouterKnobs(block_size=4, min_match_tokens=8, max_ratio=10.0)
+    """No digest shows the prefix: only the memory keeps its repeats on the replica the first one went to (the
+    affinity credit for KV sent there)."""
+    knobs = KNOBS
     clock = _Clock()
     memory = RouterMemory(remember_s=10.0, share_window=knobs.share_window, clock=clock)
     stats = {"version": 1, "digest": [], "queue": 0}
 
     def route() -> str:
-        chosen = rank([memory.candidate(r, stats, None) for r in ("a", "b")], CHAIN, knobs)[0][0]
+        chosen = rank([memory.candidate(r, stats, None) for r in ("a", "b")], CHAIN, 40, knobs)[0][0]
         memory.routed(chosen, CHAIN)
         return chosen
 
@@ -88,25 +114,3 @@ def test_a_new_prefix_sticks_to_its_replica_until_remember_s_passes():
     assert route() == "a"
     clock.now += 10.5
     assert route() == "b"  # forgotten: back to load, where b has the fewer recent decisions
-
-
-def test_rank_ties_on_saved_tokens_go_to_the_shorter_queue_then_the_less_used():
-    full = frozenset(CHAIN)
-    by_queue = [Candidate("a", 1, full, 0), Candidate("b", 0, full, 0)]
-    assert rank(by_queue, CHAIN, KNOBS) == [["b"], ["a"]]
-    by_recent = [Candidate("a", 0, full, 1), Candidate("b", 0, full, 0)]
-    assert rank(by_recent, CHAIN, KNOBS) == [["b"], ["a"]]
-    more_saved = [Candidate("a", 1, full, 1), Candidate("b", 0, frozenset(CHAIN[:5]), 0)]
-    assert rank(more_saved, CHAIN, KNOBS)[0] == ["a"]  # tokens saved come before the tie-breaks
-
-
-def test_rank_without_a_match_orders_by_queue_then_recent_then_id():
-    cands = [Candidate("c", 1, frozenset(), 0), Candidate("a", 0, frozenset(), 1), Candidate("b", 0, frozenset(), 0),
-             Candidate("d", 0, frozenset(), 1)]
-    assert rank(cands, CHAIN, KNOBS) == [["b"], ["a", "d", "c"]]
-
-
-def test_rank_among_full_ties_does_not_depend_on_candidate_order():
-    for known in (frozenset(CHAIN), frozenset()):
-        cands = [Candidate(r, 0, known, 0) for r in ("a", "b", "c")]
-        assert rank(cands, CHAIN, KNOBS) == rank(cands[::-1], CHAIN, KNOBS) == rank(cands[1:] + cands[:1], CHAIN, KNOBS)

@@ -1,18 +1,14 @@
-"""Pure routing decisions and the tuning controller's algorithm, driven by scripted inputs."""
+"""The digests replicas publish and the tuning controller's algorithm, driven by scripted inputs (the routing
+decision itself: test_routing_policy.py)."""
 
 from __future__ import annotations
 
-import random
-
 import torch
 
-from app.cache.digest import block_hashes, matched_blocks, tree_digest
+from app.cache.digest import block_hashes, checkpoint_digest, matched_blocks, tree_digest
 from app.cache.radix import RadixTree
-from deployments.routing_policy import Candidate, RouterKnobs, rank
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window
 from tests.deployments.test_tuner import ANY
-
-KNOBS = RouterKnobs(block_size=4, min_match_tokens=8, max_queue_gap=2, max_ratio=1.4, share_window=20)
 
 
 def test_block_hashes_chain_and_digest_of_checkpoints():
@@ -24,42 +20,14 @@ def test_block_hashes_chain_and_digest_of_checkpoints():
     res = tree.insert(list(range(10)), torch.arange(10))
     tree.set_checkpoint(res.node, 1)
     assert set(tree_digest(tree, 4)) == set(block_hashes(list(range(10)), 4))
-
-
-def test_rank_prefers_the_replica_holding_the_prefix():
-    chain = block_hashes(list(range(40)), 4)
-    cands = [Candidate("a", 0, frozenset(), 0), Candidate("b", 1, frozenset(chain[:6]), 0)]
-    assert rank(cands, chain, KNOBS)[0] == ["b"]
-
-
-def test_rank_falls_back_to_least_loaded_without_a_useful_match():
-    chain = block_hashes(list(range(40)), 4)
-    cands = [Candidate("a", 3, frozenset(chain[:1]), 0), Candidate("b", 1, frozenset(), 0)]
-    assert rank(cands, chain, KNOBS) == [["b"], ["a"]]  # 4 matched tokens < min_match_tokens
-
-
-def test_rank_skips_an_overloaded_holder():
-    chain = block_hashes(list(range(40)), 4)
-    cands = [Candidate("a", 0, frozenset(), 0), Candidate("b", 5, frozenset(chain), 0)]
-    assert rank(cands, chain, KNOBS)[0] == ["a"]  # queue gap 5 > max_queue_gap 2
-
-
-def test_skewed_traffic_stays_within_ratio():
-    """90% of requests share one prefix; sequential arrivals (queues always empty)."""
-    rng = random.Random(0)
-    hot = block_hashes(list(range(64)), 4)
-    known = {"a": set(), "b": set()}
-    recent: list[str] = []
-    counts = {"a": 0, "b": 0}
-    for i in range(400):
-        chain = hot if rng.random() < 0.9 else block_hashes([1000 + i] * 64, 4)
-        window = recent[-KNOBS.share_window:]
-        cands = [Candidate(r, 0, frozenset(known[r]), window.count(r)) for r in ("a", "b")]
-        chosen = rank(cands, chain, KNOBS)[0][0]
-        known[chosen].update(chain)
-        recent.append(chosen)
-        counts[chosen] += 1
-    assert max(counts.values()) <= 1.5 * min(counts.values()), counts
+    deeper = tree.insert(list(range(10)) + [7] * 10, torch.arange(20))
+    tree.set_checkpoint(deeper.node, 2)
+    digest, marks = checkpoint_digest(tree, 4)
+    full = block_hashes(list(range(10)) + [7] * 10, 4)
+    assert set(digest) == set(full) and set(marks) == {full[1], full[4]}  # the last full block of each checkpoint
+    tree.evict_checkpoint(lambda nodes: next(n for n in nodes if n is deeper.node))
+    digest, marks = checkpoint_digest(tree, 4)  # an evicted checkpoint leaves both at once
+    assert set(digest) == set(full[:2]) and marks == [full[1]]
 
 
 def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):

@@ -1,0 +1,56 @@
+"""What an engine tells a router about its load: the prefill work waiting, the sequences decoding, what a hit
+still recomputes, and the measured cost of a step (`StepCost`), from which the router predicts a request's time
+to first token on each replica (deployments/routing_policy.py)."""
+
+from __future__ import annotations
+
+import math
+
+from app.dasc.policy import wr_window
+
+
+class StepCost:
+    """Step wall time as fixed_s + token_s x tokens, a least-squares fit over recent steps whose weights decay by
+    `decay` per step (about 1 / (1 - decay) steps count). With too little spread in tokens per step to fit a slope,
+    the whole time is taken as per-token cost."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + tokens, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed_s, token_s), both >= 0; None before the first step."""
+        if self.w <= 0 or self.sx <= 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var > 1e-6 * mx * mx + 1e-9:
+            slope = (self.sxy / self.w - mx * my) / var
+            if slope > 0 and my - slope * mx >= 0:
+                return my - slope * mx, slope
+            if slope > 0:  # a negative intercept: a line through the origin
+                return 0.0, self.sxy / self.sxx
+        return 0.0, my / mx
+
+
+def load_report(engine) -> dict:
+    """The engine's load as `record_routing_stats` publishes it (all plain numbers)."""
+    sched, cfg = engine.scheduler, engine.cfg
+    prefill = sum(s.num_tokens - s.num_computed for s in sched.running if s.num_computed < s.num_tokens - 1)
+    prefill += sum(s.num_tokens - s.num_computed for s in sched.waiting)
+    decoding = sum(1 for s in sched.running if s.num_computed >= s.num_tokens - 1)
+    if cfg.w_max is None:
+        resume = 0
+    elif cfg.policy == "wr":
+        resume = wr_window(engine.plan) if engine.plan is not None else math.ceil(cfg.w_max)
+    else:
+        resume = cfg.tail
+    fit = engine.telemetry.step_cost.fit()
+    return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume),
+            "step_tokens": cfg.max_tokens_per_step, "step_fixed_s": None if fit is None else fit[0],
+            "step_token_s": None if fit is None else fit[1]}

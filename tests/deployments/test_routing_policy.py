@@ -1,0 +1,108 @@
+"""The routing decision by predicted cost (`routing_policy.predict` and `rank`), a pure function driven by
+scripted candidates: a hot prefix stays on its holder until the queue there costs more than its checkpoint saves,
+an evicted checkpoint no longer attracts, unequal queues and the dasc resume cost (nr tail, wr replay window)
+count, and a new prefix sticks to the replica its first request went to."""
+
+from __future__ import annotations
+
+import random
+
+from app.cache.digest import block_hashes
+from deployments.routing_policy import Candidate, RouterKnobs, predict, rank
+
+KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, token_s=1e-3, fixed_s=0.0, step_tokens=10_000)
+PROMPT = list(range(400))
+CHAIN = block_hashes(PROMPT, 4)  # 100 blocks
+
+
+def _holder(rid: str, depth_blocks: int, **load) -> Candidate:
+    """A replica with a checkpoint `depth_blocks` blocks into PROMPT (its digest: the path to it)."""
+    return Candidate(rid, known=frozenset(CHAIN[:depth_blocks]), marks=frozenset({CHAIN[depth_blocks - 1]}), **load)
+
+
+def test_prediction_counts_queue_uncached_tokens_steps_and_decodes():
+    c = _holder("a", 90, queued=100, decoding=3, token_s=1e-3, fixed_s=0.01, step_tokens=53)
+    p = predict(c, CHAIN, 400, KNOBS)
+    assert p.checkpointed == 360 and p.uncached == 40
+    # 140 tokens of work at 50 prefill tokens a step (3 of 53 decode): 3 steps, each with 3 decode tokens
+    assert abs(p.ttft_s - (3 * 0.01 + 1e-3 * (140 + 9))) < 1e-12
+
+
+def test_the_deepest_checkpoint_counts_not_the_kv_match():
+    """KV shared beyond the checkpoint saves this request nothing: the prediction resumes at the checkpoint, and
+    only the score's affinity credit sees the KV."""
+    kv_only = Candidate("a", known=frozenset(CHAIN), marks=frozenset())
+    shallow = Candidate("b", known=frozenset(CHAIN), marks=frozenset({CHAIN[9]}))
+    assert predict(kv_only, CHAIN, 400, KNOBS).uncached == 400
+    assert predict(shallow, CHAIN, 400, KNOBS).uncached == 360
+    assert rank([kv_only, shallow], CHAIN, 400, KNOBS)[0] == ["b"]
+
+
+def test_a_hot_prefix_stays_on_its_holder_until_the_queue_there_costs_more_than_it_saves():
+    """The checkpoint saves 360 of 400 tokens: the holder wins while the prefill queued there is less than the
+    other replica's queue plus 360 tokens; beyond that the prefix spills."""
+    cold = Candidate("b", queued=0)
+    for queued, winner in ((0, "a"), (300, "a"), (350, "a"), (370, "b")):  # a: queued + 40, b: 400
+        assert rank([_holder("a", 90, queued=queued), cold], CHAIN, 400, KNOBS)[0] == [winner], queued
+
+
+def test_an_evicted_checkpoint_no_longer_attracts():
+    """After the replica's digest drops the checkpoint (its marks and path), the request goes by load."""
+    before = [_holder("a", 90, queued=200), Candidate("b", queued=0)]
+    assert rank(before, CHAIN, 400, KNOBS)[0] == ["a"]
+    after = [Candidate("a", queued=200), Candidate("b", queued=0)]
+    assert rank(after, CHAIN, 400, KNOBS)[0] == ["b"]
+
+
+def test_unequal_queues_and_step_costs_decide_without_a_match():
+    """No checkpoint anywhere: the shorter predicted wait wins, in time, not tokens (a replica measured twice as
+    slow per token loses with half the queue)."""
+    assert rank([Candidate("a", queued=500), Candidate("b", queued=100)], CHAIN, 400, KNOBS) == [["b"], ["a"]]
+    slow = Candidate("a", queued=100, token_s=2e-3)
+    fast = Candidate("b", queued=300, token_s=1e-3)
+    assert rank([slow, fast], CHAIN, 400, KNOBS)[0] == ["b"]  # 1.0 s against 0.7 s
+    decodes = Candidate("a", queued=0, decoding=40, fixed_s=0.02, step_tokens=64)
+    assert rank([decodes, Candidate("b", queued=150, fixed_s=0.02)], CHAIN, 400, KNOBS)[0] == ["b"]
+
+
+def test_the_dasc_resume_cost_counts_against_a_hit():
+    """A compressed checkpoint resumes `resume` tokens earlier (the nr tail, the wr replay window): two replicas
+    with the same checkpoint differ by it, and a dense holder of a shallower checkpoint can win."""
+    dense, wr = _holder("a", 80), _holder("b", 90, resume=128)
+    assert predict(wr, CHAIN, 400, KNOBS).uncached == 40 + 128
+    assert predict(dense, CHAIN, 400, KNOBS).uncached == 80
+    assert rank([dense, wr], CHAIN, 400, KNOBS)[0] == ["a"]
+    assert rank([dense, _holder("b", 90, resume=16)], CHAIN, 400, KNOBS)[0] == ["b"]
+    assert predict(_holder("c", 10, resume=100), CHAIN, 400, KNOBS).uncached == 400  # no better than none
+
+
+def test_equal_scores_tie_to_the_less_used_then_the_lower_id():
+    cands = [Candidate("c", recent=1), Candidate("a", recent=1), Candidate("b", recent=0)]
+    assert rank(cands, CHAIN, 400, KNOBS) == [["b"], ["a", "c"]]
+    for order in (cands, cands[::-1], cands[1:] + cands[:1]):
+        assert rank(order, CHAIN, 400, KNOBS) == [["b"], ["a", "c"]]
+    near = [Candidate("a", queued=3, recent=2), Candidate("b", queued=0, recent=0)]
+    assert rank(near, CHAIN, 400, KNOBS)[0] == ["b"]  # 3 tokens apart: within one block, a tie
+
+
+def test_skewed_traffic_spreads_by_queued_work():
+    """90% of requests share one prefix and arrive faster than one replica prefills them: each replica's queue
+    grows with the uncached work sent to it and drains at a fixed rate. The hot prefix spills to the second
+    replica, which then holds it too, and the replicas' request counts stay within 1.5x."""
+    rng = random.Random(0)
+    hot = list(range(64))
+    queued, marks, known, counts = {"a": 0, "b": 0}, {"a": set(), "b": set()}, {"a": set(), "b": set()}, {}
+    for i in range(400):
+        prompt = hot + [5000 + i] * 8 if rng.random() < 0.9 else [1000 + i] * 72
+        chain = block_hashes(prompt, 4)
+        cands = [Candidate(r, known=frozenset(known[r]), marks=frozenset(marks[r]), queued=queued[r])
+                 for r in ("a", "b")]
+        chosen = rank(cands, chain, len(prompt), KNOBS)[0][0]
+        queued[chosen] += predict(cands[chosen == "b"], chain, len(prompt), KNOBS).uncached
+        known[chosen].update(chain)
+        marks[chosen].add(chain[15])  # the branch checkpoint where the hot prompts part
+        counts[chosen] = counts.get(chosen, 0) + 1
+        for r in queued:
+            queued[r] = max(0, queued[r] - 8)  # each replica prefills 8 tokens per arrival: fewer than come
+    assert max(counts.values()) <= 1.5 * min(counts.values()), counts
+    assert all(block_hashes(hot, 4)[15] in marks[r] for r in marks)  # both hold the hot prefix now

@@ -1,0 +1,83 @@
+"""The tuner in the three situations it must handle, each driven by a sequence of telemetry windows as two
+replicas report them (trial replica r0, control r1): (a) the working set does not fit dense: it climbs to a
+compressed setting; (b) dense fits: from a compressed start it returns to dense, and from dense it never leaves;
+(c) conversations' next turns replay long stretches: it picks a checkpoint interval. Every decision carries its
+evidence (what started the trial, what judged it)."""
+
+from __future__ import annotations
+
+from deployments.tuner import Setting, Tuner, TunerKnobs, Window
+from tests.deployments.test_tuner import ANY
+
+KNOBS = TunerKnobs(allowed=ANY, trial_windows=2, warmup_windows=1, refill_windows=0, hysteresis=0.05)
+
+
+def _run(tuner: Tuner, windows) -> list[str]:
+    """Feed `windows(version, replica, setting)` -> Window for both replicas each tick; the decisions made."""
+    out = []
+    for _ in range(12):
+        for r in ("r0", "r1"):
+            version, setting = tuner.assignment(r)
+            tuner.report(windows(version, r, setting))
+        decision = tuner.tick()
+        if decision:
+            out.append(decision)
+    return out
+
+
+def test_a_working_set_that_does_not_fit_dense_moves_to_a_compressed_setting():
+    """Dense evicts all the time (occupancy 1, evictions) and hits little; nr-W16 holds 3x the checkpoints, stops
+    evicting and is faster; W64 is no faster again (it is rejected and W16 stays)."""
+    def windows(version, replica, s: Setting) -> Window:
+        if s.w_max is None:
+            return Window(replica, version, 20, 0.30, 0.3, 1.0, 5)
+        return Window(replica, version, 20, 0.18 if s.w_max == 16 else 0.19, 0.8, 0.97, 1, compression=3.0)
+
+    t = Tuner(KNOBS)
+    decisions = _run(t, windows)
+    assert decisions[:2] == ["trial nr-W16", "promote nr-W16"]
+    assert "promote nr-W64" not in decisions and t.current == Setting(16, "nr")
+    evidence = t.decisions[0]["evidence"]
+    assert evidence["evictions"] == 10 and evidence["occupancy"] == 1.0
+    assert t.decisions[1]["trial_ttft"] == 0.18 and t.decisions[1]["control_ttft"] == 0.30
+
+
+def test_when_dense_fits_a_compressed_start_returns_to_dense_and_dense_stays():
+    """nr-W64 (compression 6) fills 10% of its pool: dense would fill 60%, below fit_occupancy. Dense is tried,
+    is no slower, and is promoted; from then on (no pressure, nothing replayed) nothing changes."""
+    def windows(version, replica, s: Setting) -> Window:
+        if s.w_max is None:
+            return Window(replica, version, 20, 0.201, 0.9, 0.6, 0)
+        return Window(replica, version, 20, 0.20, 0.9, 0.1, 0, compression=6.0)
+
+    t = Tuner(KNOBS, initial=Setting(64, "nr"))
+    assert _run(t, windows) == ["trial dense", "promote dense"]
+    assert t.current == Setting(None) and t.decisions[0]["kind"] == "relax"
+    assert t.decisions[0]["evidence"]["compression"] == 6.0
+    stay = Tuner(KNOBS)
+    assert _run(stay, windows) == [] and stay.current == Setting(None)
+
+
+def test_a_relax_that_is_slower_is_rejected_and_the_start_setting_stays():
+    def windows(version, replica, s: Setting) -> Window:
+        return Window(replica, version, 20, 0.30 if s.w_max is None else 0.20, 0.9, 0.1, 0, compression=6.0)
+
+    t = Tuner(KNOBS, initial=Setting(64, "nr"))
+    decisions = _run(t, windows)
+    assert decisions[:2] == ["trial dense", "reject dense"] and t.current == Setting(64, "nr")
+    assert len(decisions) == 2  # cooling down: not retried within cooldown_windows
+
+
+def test_long_replays_between_turns_pick_a_checkpoint_interval():
+    """Next turns recompute ~250 tokens each (their checkpoint sits at the previous prompt's end, their KV
+    match reaches the end of the last answer): an interval near half of that (128) is tried and, faster, kept;
+    with it the replays shrink and nothing more changes."""
+    def windows(version, replica, s: Setting) -> Window:
+        if s.interval:
+            return Window(replica, version, 20, 0.12, 0.9, 0.5, 0, replayed=40.0)
+        return Window(replica, version, 20, 0.20, 0.6, 0.3, 0, replayed=250.0)
+
+    t = Tuner(KNOBS)
+    assert _run(t, windows) == ["trial dense/I128", "promote dense/I128"]
+    assert t.current == Setting(None, "nr", 128) and t.decisions[0]["evidence"]["replayed"] == 250.0
+    assert TunerKnobs().interval_for(70) == 32 and TunerKnobs().interval_for(1000) == 256
