@@ -74,6 +74,10 @@ class TuningController:
         self.tuner.version += 1
         return self.tuner.version
 
+    async def history(self) -> list[dict]:
+        """The windows and ticks the tuner was given, in order (`tuner.replay` reproduces its decisions)."""
+        return list(self.tuner.history)
+
     async def state(self) -> dict:
         self._forget_silent()
         return {**self.tuner.state(), "adopted": self.adopted, "replicas": self.snapshots}

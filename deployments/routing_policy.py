@@ -11,8 +11,8 @@ For each candidate replica `predict` estimates the request's time to first token
 - checkpointed: the deepest checkpoint on the request's prefix, read from the replica's published checkpoint
   marks (the hash of the last full block of each checkpoint's prefix). A hybrid model resumes only at a
   checkpoint, so KV shared beyond it saves nothing for this request.
-- resume: what a hit still recomputes under dasc: the nr tail (the checkpoint is loaded that many tokens back)
-  or the wr replay window; 0 for dense checkpoints.
+- resume: what a hit still recomputes: the dasc-wr replay window; 0 for dense checkpoints and under dasc-nr,
+  whose checkpoints are stored (and their marks published) `tail` tokens early, where a hit loads them.
 - queued: the prefill tokens the replica reported waiting, plus what this router sent it since that report.
 - step_fixed_s, step_token_s: the replica's measured step cost (a fit of step time against tokens per step).
 
@@ -61,7 +61,7 @@ class Candidate:
     marks: frozenset[int] = frozenset()
     queued: int = 0  # prefill tokens waiting there
     decoding: int = 0  # sequences decoding there
-    resume: int = 0  # tokens a hit recomputes (dasc nr tail or wr window)
+    resume: int = 0  # tokens a hit recomputes (the dasc-wr replay window)
     token_s: float | None = None  # measured step cost per token; None: RouterKnobs.token_s
     fixed_s: float | None = None  # measured step cost whatever its tokens
     step_tokens: int | None = None  # the replica's token budget per step

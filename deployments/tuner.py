@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 from app.dasc.allowance import W_VALUES, setting_label
@@ -142,6 +143,7 @@ class Tuner:
         self.recent: dict[str, list[Window]] = {}  # per replica, its last windows on the current setting
         self.decisions: list[dict] = []
         self.replicas: set[str] = set()
+        self.history: deque[dict] = deque(maxlen=4096)  # what it was told, in order: windows and ticks (`replay`)
 
     # ------------------------------------------------------------------ replicas
     def assignment(self, replica: str) -> tuple[int, Setting]:
@@ -151,6 +153,7 @@ class Tuner:
         return self.version, self.current
 
     def report(self, window: Window) -> None:
+        self.history.append(asdict(window))
         self.replicas.add(window.replica)
         if window.version == self.version:  # stale windows (from before the last change) are ignored
             self.pending.append(window)
@@ -160,6 +163,7 @@ class Tuner:
         """Close the current window and decide; returns what was decided, if anything."""
         windows, self.pending = self.pending, []
         self.window_index += 1
+        self.history.append({"tick": self.window_index})
         if not self.enabled:
             return None
         overloaded = [w for w in windows if self._overloaded(w)]
@@ -256,6 +260,19 @@ class Tuner:
             "current_allowed": self.knobs.permits(self.current), "overloaded_windows": self.overloaded_windows,
             "allowance": _figures(self.allowance),
         }
+
+
+def replay(tuner: Tuner, history: list[dict]) -> list[str]:
+    """Feed a recorded `Tuner.history` (a live controller's) to `tuner`; the decisions it makes, in order."""
+    out = []
+    for event in history:
+        if "tick" in event:
+            decision = tuner.tick()
+            if decision:
+                out.append(decision)
+        else:
+            tuner.report(Window(**event))
+    return out
 
 
 def _evidence(windows: list[Window]) -> dict:

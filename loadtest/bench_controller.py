@@ -28,6 +28,7 @@ import json
 import random
 import time
 
+from deployments.builder import ServeArgs, controller_config
 from loadtest.common import start_run, table
 from loadtest.sections import publish
 from loadtest.serve_harness import cluster, deployed, prefix_prompts, summarise
@@ -63,7 +64,7 @@ def run(url: str, situation: str, arm: str, engine: dict, controller: bool, args
            "controller": {"enabled": controller, "window_s": args.window_s, "trial_windows": 1, "min_requests": 2,
                           "max_w_nr": 128, "max_w_wr": 512}}
     rounds = args.chat_rounds if situation == "chat" else args.rounds
-    measured, state = [], None
+    measured, state, history, actor = [], None, None, None
     with deployed(url, app):
         t_start = time.perf_counter()
         for r in range(rounds):
@@ -77,6 +78,8 @@ def run(url: str, situation: str, arm: str, engine: dict, controller: bool, args
             from deployments import controller as controller_mod
 
             state = ray.get(controller_mod.lookup().state.remote())
+            history = ray.get(controller_mod.lookup().history.remote())
+            actor = controller_config(ServeArgs(**app))["actor"]
         elapsed = time.perf_counter() - t_start
     allres = [x for res, _ in measured for x in res]
     row = {"situation": situation, "arm": arm, **summarise(allres, sum(w for _, w in measured)), "wall_s": elapsed}
@@ -85,6 +88,8 @@ def run(url: str, situation: str, arm: str, engine: dict, controller: bool, args
         row["decisions"] = [f"{d['decision']} {d['label']}" for d in state["decisions"]]
         row["evidence"] = [{k: d[k] for k in ("decision", "label", "kind", "evidence", "trial_ttft", "control_ttft")
                             if k in d} for d in state["decisions"]]
+        # what `tuner.replay` needs to make the same decisions offline (tests/deployments/data/)
+        row["recording"] = {"knobs": actor["knobs"], "initial": actor["initial"], "history": history}
     print(json.dumps(row), flush=True)
     return row
 

@@ -41,15 +41,16 @@ class StepCost:
 def load_report(engine) -> dict:
     """The engine's load as `record_routing_stats` publishes it (all plain numbers)."""
     sched, cfg = engine.scheduler, engine.cfg
+    # a wr hit replays the omitted units over a window; an nr checkpoint is stored `tail` tokens early and loaded
+    # only that far back, so its recompute is already in where it sits
+    resume = (wr_window(engine.plan) if engine.plan is not None else math.ceil(cfg.w_max)) \
+        if cfg.w_max is not None and cfg.policy == "wr" else 0
     prefill = sum(s.num_tokens - s.num_computed for s in sched.running if s.num_computed < s.num_tokens - 1)
-    prefill += sum(s.num_tokens - s.num_computed for s in sched.waiting)
+    for s in sched.waiting:  # what each will prefill after resuming from the checkpoint it matches now
+        limit = max(0, s.num_tokens - 1 - cfg.tail)
+        hit = engine.cache.tree.match(s.tokens, limit, touch=False, salt=s.params.cache_salt)
+        prefill += s.num_tokens - hit.checkpoint_len + (resume if hit.checkpoint_len else 0)
     decoding = sum(1 for s in sched.running if s.num_computed >= s.num_tokens - 1)
-    if cfg.w_max is None:
-        resume = 0
-    elif cfg.policy == "wr":
-        resume = wr_window(engine.plan) if engine.plan is not None else math.ceil(cfg.w_max)
-    else:
-        resume = cfg.tail
     fit = engine.telemetry.step_cost.fit()
     return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume),
             "step_tokens": cfg.max_tokens_per_step, "step_fixed_s": None if fit is None else fit[0],

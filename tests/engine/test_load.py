@@ -1,0 +1,47 @@
+"""What an engine tells the router about its load (`app/engine/load.py`): the prefill waiting, counted after the
+checkpoint each waiting request would resume from (plus what a compressed hit recomputes), the sequences
+decoding, and a step cost fitted to the steps it ran."""
+
+from __future__ import annotations
+
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.load import StepCost, load_report
+from app.engine.request import SamplingParams
+from tests.helpers import load_zoo
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_step_cost_fits_fixed_and_per_token_parts():
+    cost = StepCost()
+    assert cost.fit() is None
+    for tokens in (1, 64, 4, 256, 16) * 8:
+        cost.add(tokens, 0.004 + 2e-5 * tokens)
+    fixed, per_token = cost.fit()
+    assert abs(fixed - 0.004) < 1e-9 and abs(per_token - 2e-5) < 1e-12
+    flat = StepCost()
+    for _ in range(5):
+        flat.add(8, 0.016)  # one size only: no slope to fit, the time is taken as per-token cost
+    assert flat.fit() == (0.0, 0.002)
+
+
+def test_waiting_prefill_counts_from_the_checkpoint_each_request_would_resume_at():
+    model, tok = load_zoo("kda-tiny")
+    prompt = tok.encode("def add(a, b):\n    return a + b\n" * 12)
+    for knobs in ({}, {"w_max": 16}, {"w_max": 16, "policy": "wr"}):
+        engine = Engine(model, tok, EngineConfig(kv_slots=4096, **knobs))
+        engine.generate([prompt], GREEDY)
+        longer, fresh = prompt + tok.encode("x = 1\n"), tok.encode("class Stack:\n    pass\n")
+        engine.add_request(longer, GREEDY)
+        engine.add_request(fresh, GREEDY)
+        report = load_report(engine)
+        # nr loads its checkpoint `tail` tokens back (it was stored there); wr replays its window after the load
+        ckpt = engine.cache.match(longer, len(longer) - 1 - engine.cfg.tail).checkpoint_len
+        resume = report["resume_tokens"]
+        assert ckpt > 0 and (resume > 0) == (knobs.get("policy") == "wr")
+        assert report["prefill_tokens"] == (len(longer) - ckpt + resume) + len(fresh), knobs
+        assert report["decoding"] == 0
+        assert report["step_token_s"] > 0 and report["step_fixed_s"] >= 0  # fitted to the steps `generate` ran
+        engine.step()  # both prefill in one step and emit their first token: decoding, nothing left to prefill
+        assert (load_report(engine)["decoding"], load_report(engine)["prefill_tokens"]) == (2, 0)
