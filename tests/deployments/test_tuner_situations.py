@@ -6,7 +6,12 @@ evidence (what started the trial, what judged it)."""
 
 from __future__ import annotations
 
-from deployments.tuner import Setting, Tuner, TunerKnobs, Window
+import json
+from pathlib import Path
+
+import pytest
+
+from deployments.tuner import Setting, Tuner, TunerKnobs, Window, replay
 from tests.deployments.test_tuner import ANY
 
 KNOBS = TunerKnobs(allowed=ANY, trial_windows=2, warmup_windows=1, refill_windows=0, hysteresis=0.05)
@@ -81,3 +86,24 @@ def test_long_replays_between_turns_pick_a_checkpoint_interval():
     assert _run(t, windows) == ["trial dense/I128", "promote dense/I128"]
     assert t.current == Setting(None, "nr", 128) and t.decisions[0]["evidence"]["replayed"] == 250.0
     assert TunerKnobs().interval_for(70) == 32 and TunerKnobs().interval_for(1000) == 256
+
+
+RECORDINGS = Path(__file__).parent / "data" / "tuner_recordings.json"
+
+
+@pytest.mark.parametrize("situation", ["overflow", "fits", "chat"])
+def test_recorded_telemetry_replays_to_the_live_controllers_decisions(situation):
+    """Windows a live controller received in bench_controller's three situations (one kda-tiny replica on Ray
+    Serve), replayed into a fresh tuner with the same knobs and start: the same decisions, and the outcome each
+    situation asks for."""
+    rec = json.loads(RECORDINGS.read_text())[situation]
+    knobs = TunerKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in rec["knobs"].items()})
+    tuner = Tuner(knobs, Setting(**rec["initial"]))
+    assert replay(tuner, rec["history"]) == rec["decisions"]
+    final = tuner.current
+    if situation == "overflow":
+        assert final.w_max is not None  # the working set did not fit dense: a compressed setting
+    elif situation == "fits":
+        assert final.w_max is None  # started compressed, back at dense
+    else:
+        assert final.interval > 0  # conversations' replays made interval checkpoints pay
