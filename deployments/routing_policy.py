@@ -115,7 +115,9 @@ class RouterMemory:
       (inclusive), so requests sharing a new prefix stick to one replica until its digest shows the prefix; and
       it is dropped earlier when a digest first seen more than `settle_s` after t does not hold it (the replica
       evicted it, or its codec changed and dropped its checkpoints);
-    - per replica, the prefill tokens sent since its last stats version (added to the reported queue);
+    - per replica, the prefill tokens sent since its last stats version, of which the latest `queue_len` (the
+      requests in flight there, when known) are added to the reported queue: a request that finished before the
+      next stats no longer counts;
     - the replicas of the last `share_window` routing decisions (`Candidate.recent`)."""
 
     def __init__(self, remember_s: float, share_window: int, settle_s: float = 2.0,
@@ -153,7 +155,10 @@ class RouterMemory:
         horizon = now - self.remember_s
         for h in [h for h, t in routed.items() if t < horizon]:
             del routed[h]
-        sent = sum(self._sent.get(replica_id, ()))
+        sent = self._sent.get(replica_id, [])
+        if queue_len is not None:  # at most the latest `queue_len` sends are still in flight there
+            sent = sent[len(sent) - queue_len:] if queue_len < len(sent) else sent
+        sent = sum(sent)
         return Candidate(
             replica_id, held[2] | frozenset(routed) if routed else held[2], held[3],
             queued=int(stats.get("prefill_tokens", 0)) + sent, decoding=int(stats.get("decoding", 0)),

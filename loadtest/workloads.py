@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 
 import httpx
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise (Ray sets INFO)
 
 NAMES = ("total", "count", "items", "value", "path", "config", "result", "index")
 

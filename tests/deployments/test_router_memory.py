@@ -76,6 +76,8 @@ def test_prefill_sent_since_the_last_stats_adds_to_the_reported_queue():
     memory.routed("a", CHAIN, 50)
     c = memory.candidate("a", stats, None)
     assert (c.queued, c.decoding, c.token_s, c.resume) == (450, 2, 1e-4, 64)
+    assert memory.candidate("a", stats, 1).queued == 150  # one request in flight: the latest send
+    assert memory.candidate("a", stats, 0).queued == 100  # none in flight: both finished
     assert memory.candidate("a", {**stats, "version": 2, "prefill_tokens": 80}, None).queued == 80  # counted there
 
 
