@@ -136,6 +136,9 @@ class EngineReplica:
             except Exception as exc:  # noqa: BLE001 - telemetry must never take the replica down
                 log.warning("telemetry window failed: %r", exc)
 
+    def _tail(self) -> int:
+        return self.engine.engine.cfg.tail
+
     def _setting(self) -> dict:
         cfg = self.engine.engine.cfg
         return {k: getattr(cfg, k) for k in SETTING_FIELDS}
@@ -156,7 +159,8 @@ class EngineReplica:
             "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
             # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
             "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0),
-            "replayed": _per(snap, last, "replayed_tokens", "sequences_admitted"),
+            # beyond the nr recompute tail, which a hit replays by design (interval checkpoints do not shorten it)
+            "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted") - self._tail()),
             "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
         }
         # the flat fields, and the acceptance histogram's counts (/metrics' spec_decode_acceptance_length)

@@ -28,18 +28,18 @@ class PrefixAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        chain, prompt_len = _request(pending_request, self.knobs.block_size)
+        chain, tokens = _request(pending_request, self.knobs.block_size)
         avoid = getattr(pending_request.args[0], "avoid", None) if pending_request and pending_request.args else None
         candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [self._candidate(r) for r in candidate_replicas]
-        return [[by_id[i] for i in tier] for tier in rank(candidates, chain, prompt_len, self.knobs)]
+        return [[by_id[i] for i in tier] for tier in rank(candidates, chain, tokens, self.knobs)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        chain, prompt_len = _request(pending_request, self.knobs.block_size)
+        chain, tokens = _request(pending_request, self.knobs.block_size)
         replica = self.curr_replicas.get(replica_id)
         stats = replica.routing_stats if replica is not None else None
-        uncached = predict(self.memory.candidate(replica_id.unique_id, stats, None), chain, prompt_len,
+        uncached = predict(self.memory.candidate(replica_id.unique_id, stats, None), chain, tokens,
                            self.knobs).uncached
         self.memory.routed(replica_id.unique_id, chain, uncached)
 
@@ -48,11 +48,11 @@ class PrefixAwareRouter(RequestRouter):
                                      self._replica_queue_len_cache.get(replica.replica_id))
 
 
-def _request(pending_request: PendingRequest | None, block: int) -> tuple[list[int], int]:
-    """The request's block hashes and prompt length (the hashed part where the ids are not there)."""
+def _request(pending_request: PendingRequest | None, block: int) -> tuple[list[int], list[int] | int]:
+    """The request's block hashes and its prompt ids (or, where they are not there, the hashed length)."""
     if pending_request is None or not pending_request.args:
         return [], 0
     req = pending_request.args[0]
     chain = list(getattr(req, "hashes", []) or [])
     ids = getattr(req, "prompt_ids", None)
-    return chain, len(ids) if ids is not None else len(chain) * block
+    return chain, list(ids) if ids is not None else len(chain) * block

@@ -8,9 +8,10 @@ For each candidate replica `predict` estimates the request's time to first token
     steps    = ceil(work / (step_tokens - decoding))    (steps of the replica's token budget; decodes share each)
     ttft     = steps x step_fixed_s + step_token_s x (work + decoding x steps)
 
-- checkpointed: the deepest checkpoint on the request's prefix, read from the replica's published checkpoint
-  marks (the hash of the last full block of each checkpoint's prefix). A hybrid model resumes only at a
-  checkpoint, so KV shared beyond it saves nothing for this request.
+- checkpointed: the deepest checkpoint the prompt starts with, read from the replica's published checkpoint
+  marks (per checkpoint: the hash of its prefix's last full block, and of the few tokens from there to the
+  checkpoint, checked against the prompt's own tokens). A hybrid model resumes only at a checkpoint, so KV shared
+  beyond it saves nothing for this request.
 - resume: what a hit still recomputes: the dasc-wr replay window; 0 for dense checkpoints and under dasc-nr,
   whose checkpoints are stored (and their marks published) `tail` tokens early, where a hit loads them.
 - queued: the prefill tokens the replica reported waiting, plus what this router sent it since that report.
@@ -30,10 +31,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from app.cache.digest import matched_blocks
+from app.cache.digest import matched_blocks, tail_hash
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,12 @@ class RouterKnobs:
 @dataclass(frozen=True)
 class Candidate:
     """A replica as the policy sees it. known: block hashes on the paths to its checkpoints plus those this router
-    sent it lately (KV it holds or will); marks: the last full block of each checkpoint's prefix."""
+    sent it lately (KV it holds or will); marks: its checkpoints (`app.cache.digest.checkpoint_mark`), by the
+    hash of each one's last full block."""
 
     replica_id: str
     known: frozenset[int] = frozenset()
-    marks: frozenset[int] = frozenset()
+    marks: dict = field(default_factory=dict)  # block hash -> ((r, tail hash), ...) of its checkpoints
     queued: int = 0  # prefill tokens waiting there
     decoding: int = 0  # sequences decoding there
     resume: int = 0  # tokens a hit recomputes (the dasc-wr replay window)
@@ -77,11 +79,29 @@ class Prediction:
     score: float
 
 
-def predict(c: Candidate, chain: list[int], prompt_len: int, knobs: RouterKnobs) -> Prediction:
-    block = knobs.block_size
-    depth = max((i + 1 for i, h in enumerate(chain) if h in c.marks), default=0) * block
-    if depth:  # chained hashes: a matched mark implies the blocks before it match too
-        depth = min(depth, prompt_len - 1)
+def checkpointed(marks: dict, chain: list[int], tokens: list[int] | None, block: int) -> int:
+    """Depth of the deepest checkpoint among `marks` that the prompt (`chain`, `tokens`) starts with: the prompt
+    holds its last full block (the chain is chained, so every block before too) and its tail. Without the prompt's
+    tokens only block-aligned checkpoints count."""
+    for i in range(len(chain) - 1, -1, -1):  # a mark after block i lies deeper than any after block i - 1
+        best = 0
+        for r, tail in marks.get(chain[i], ()):
+            end = (i + 1) * block + r
+            if tokens is None:
+                ok = r == 0
+            else:
+                ok = end <= len(tokens) and tail_hash(chain[i], tokens[(i + 1) * block : end]) == tail
+            best = max(best, end if ok else 0)
+        if best:
+            return best
+    return 0
+
+
+def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: RouterKnobs) -> Prediction:
+    """The request's predicted TTFT on `c` (see the module doc). tokens: the prompt's ids, or only its length."""
+    ids, prompt_len = (None, tokens) if isinstance(tokens, int) else (tokens, len(tokens))
+    depth = checkpointed(c.marks, chain, ids, knobs.block_size)
+    depth = min(depth, prompt_len - 1) if depth else 0
     uncached = prompt_len - depth + (c.resume if depth else 0)
     uncached = max(1, min(prompt_len, uncached))
     token_s = knobs.token_s if c.token_s is None else c.token_s
@@ -90,15 +110,16 @@ def predict(c: Candidate, chain: list[int], prompt_len: int, knobs: RouterKnobs)
     work = c.queued + uncached
     steps = math.ceil(work / budget)
     ttft = steps * fixed_s + token_s * (work + c.decoding * steps)
-    kv = matched_blocks(chain, c.known) * block
+    kv = matched_blocks(chain, c.known) * knobs.block_size
     return Prediction(depth, uncached, ttft, ttft - knobs.affinity_credit * token_s * max(0, kv - depth))
 
 
-def rank(candidates: list[Candidate], chain: list[int], prompt_len: int, knobs: RouterKnobs) -> list[list[str]]:
-    """Replica ids in preference ranks: [[chosen], [the rest by score]]."""
+def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int,
+         knobs: RouterKnobs) -> list[list[str]]:
+    """Replica ids in preference ranks: [[chosen], [the rest by score]]. tokens: the prompt's ids, or its length."""
     if not candidates:
         return []
-    preds = {c.replica_id: predict(c, chain, prompt_len, knobs).score for c in candidates}
+    preds = {c.replica_id: predict(c, chain, tokens, knobs).score for c in candidates}
     tie = knobs.block_size * min((c.token_s if c.token_s is not None else knobs.token_s) for c in candidates)
     best = min(preds.values())
     chosen = min((c for c in candidates if preds[c.replica_id] <= best + tie), key=lambda c: (c.recent, c.replica_id))
@@ -127,7 +148,7 @@ class RouterMemory:
         self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
         self._sent: dict[str, list[int]] = {}  # replica -> prefill tokens sent since its stats version
         # replica -> (stats version, when first seen, digest, marks)
-        self._stats: dict[str, tuple[object, float, frozenset[int], frozenset[int]]] = {}
+        self._stats: dict[str, tuple[object, float, frozenset[int], dict]] = {}
 
     def routed(self, replica_id: str, chain: list[int], tokens: int = 0) -> None:
         """One decision: the request with block hashes `chain`, predicted to prefill `tokens` there, went to
@@ -146,7 +167,10 @@ class RouterMemory:
         held = self._stats.get(replica_id)
         routed = self._routed.setdefault(replica_id, {})
         if held is None or held[0] != version:
-            held = (version, now, frozenset(stats.get("digest", ())), frozenset(stats.get("marks", ())))
+            marks: dict[int, tuple] = {}
+            for h, r, tail in stats.get("marks", ()):
+                marks[h] = marks.get(h, ()) + ((r, tail),)
+            held = (version, now, frozenset(stats.get("digest", ())), marks)
             self._stats[replica_id] = held
             self._sent[replica_id] = []  # taken as counted in the new stats' queue
             if version is not None:  # a digest to disagree with

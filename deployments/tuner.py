@@ -5,7 +5,8 @@ then dasc-wr above it up to the wr cap (answer quality cannot be measured live, 
 aggressive each policy may be). Every window (window_s seconds) each replica reports TTFT, hit rate,
 checkpoint occupancy, evictions and wr replay time.
 
-- Under cache pressure (evictions, or occupancy at or above `pressure_occupancy`) and with no trial running,
+- Under cache pressure (evictions; or, if `pressure_occupancy` is set, occupancy at or above it) and with no
+  trial running,
   the next rung above the current setting is tried on ONE replica (the trial replica) while the others keep
   the current setting (the control).
 - The first `warmup_windows` windows of a trial are not judged: a new W_max starts from an emptied
@@ -17,7 +18,7 @@ checkpoint occupancy, evictions and wr replay time.
   the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
   rejected and not retried for `cooldown_windows` windows (hysteresis both ways: no flapping).
 - When a compressed setting runs and dense checkpoints would fit (every replica's occupancy times its
-  compression ratio below `fit_occupancy`, no evictions), dense is tried the same way ("relax"); it is promoted
+  compression ratio at most `fit_occupancy`, no evictions), dense is tried the same way ("relax"); it is promoted
   unless it loses by more than `hysteresis` (at equal TTFT dense is preferred: its answers are the model's).
 - When requests recompute many tokens between their checkpoint and the end of their KV match (`replayed`, mean
   per request at or above `replay_trigger`: a conversation's next turn resumes far behind where the last answer
@@ -70,11 +71,11 @@ class TunerKnobs:
     refill_windows: int = 3
     min_requests: int = 4
     hysteresis: float = 0.05
-    pressure_occupancy: float = 0.95
+    pressure_occupancy: float | None = None  # None: only evictions are pressure (a full pool may just fit)
     cooldown_windows: int = 10
     allowed: tuple[str, ...] | None = None  # labels the allowance permits; None: none measured, only dense
     max_running: int | None = None  # a window with more requests waiting than this is not judged
-    fit_occupancy: float = 0.8  # dense would fit: occupancy x compression below this on every replica
+    fit_occupancy: float = 1.0  # dense would fit: occupancy x compression at most this on every replica
     replay_trigger: float = 64.0  # mean tokens replayed per request that starts an interval trial
     intervals: tuple[int, ...] = (32, 64, 128, 256)  # checkpoint intervals the controller may pick
 
@@ -175,10 +176,11 @@ class Tuner:
         for w in usable:
             self.recent[w.replica] = (self.recent.get(w.replica, []) + [w])[-self.knobs.trial_windows:]
         evidence = _evidence(windows)
-        if any(w.evictions > 0 or w.occupancy >= self.knobs.pressure_occupancy for w in windows):
+        full = self.knobs.pressure_occupancy
+        if any(w.evictions > 0 or (full is not None and w.occupancy >= full) for w in windows):
             return self._start_trial(self._next_rung(), "climb", evidence)
         if usable and self.current.w_max is not None and all(
-                w.occupancy * w.compression < self.knobs.fit_occupancy for w in windows):
+                w.evictions == 0 and w.occupancy * w.compression <= self.knobs.fit_occupancy for w in windows):
             return self._start_trial(self._cool(Setting(None, "nr", self.current.interval)), "relax", evidence)
         if usable and statistics.fmean(w.replayed for w in usable) >= self.knobs.replay_trigger:
             interval = self.knobs.interval_for(statistics.fmean(w.replayed for w in usable))

@@ -49,19 +49,38 @@ def tree_digest(tree, block: int, limit: int = 8192) -> list[int]:
     return checkpoint_digest(tree, block, limit)[0]
 
 
-def checkpoint_digest(tree, block: int, limit: int = 8192) -> tuple[list[int], list[int]]:
-    """(`tree_digest`, the marks): per checkpoint, the hash of the last full block of its prefix. A request whose
-    chain holds a mark at block i can resume from a checkpoint at least (i + 1) * block tokens deep (the tokens
-    between that block's end and the checkpoint are not hashed; a router counts only the hashed ones)."""
+def tail_hash(block_hash: int, tail: list[int]) -> int:
+    """The hash that pins a checkpoint's position inside the block after its last full one: the tokens between
+    that block's end and the checkpoint, chained from the block's hash."""
+    h = hashlib.blake2b(block_hash.to_bytes(8, "little") + b"/tail/" + repr(list(tail)).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def checkpoint_mark(tokens: list[int], block: int, salt: str | None = None,
+                    chain: list[int] | None = None) -> tuple[int, int, int] | None:
+    """A checkpoint after `tokens` as (hash of its last full block, r: tokens past that block, their `tail_hash`).
+    A prompt resumes from it only if it starts with all of `tokens`: its chain holds the block hash and its next r
+    tokens give the same tail hash. None for a checkpoint shallower than one block."""
+    k = len(tokens) // block
+    if k == 0:
+        return None
+    chain = block_hashes(tokens, block, salt) if chain is None else chain
+    return chain[k - 1], len(tokens) - k * block, tail_hash(chain[k - 1], tokens[k * block :])
+
+
+def checkpoint_digest(tree, block: int, limit: int = 8192) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(`tree_digest`, the marks): `checkpoint_mark` of each checkpoint, which a router checks against a prompt's
+    chain and tokens to find the deepest checkpoint the prompt can resume from."""
     nodes = sorted((n for n in tree.nodes() if n.checkpoint is not None), key=lambda n: -n.ckpt_access)
     seen: dict[int, None] = {}
-    marks: dict[int, None] = {}
+    marks: dict[tuple[int, int, int], None] = {}
     for node in nodes:
         salt, tokens = tree.path(node)
         chain = block_hashes(tokens, block, salt)
         seen.update(dict.fromkeys(chain))
-        if chain:
-            marks.setdefault(chain[-1])
+        mark = checkpoint_mark(tokens, block, salt, chain)
+        if mark is not None:
+            marks.setdefault(mark)
         if len(seen) >= limit:
             break
     return list(seen)[:limit], list(marks)

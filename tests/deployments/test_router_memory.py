@@ -44,8 +44,9 @@ def test_routing_a_prefix_again_refreshes_its_hashes():
 
 def test_the_digest_is_reread_only_when_its_version_changes():
     memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
-    first = memory.candidate("a", {"version": 1, "digest": CHAIN[:3], "marks": CHAIN[2:3], "queue": 2}, None)
-    assert first.known == frozenset(CHAIN[:3]) and first.marks == {CHAIN[2]} and first.queue_len == 2
+    first = memory.candidate("a", {"version": 1, "digest": CHAIN[:3], "marks": [(CHAIN[2], 1, 7), (CHAIN[2], 3, 8)],
+                                   "queue": 2}, None)
+    assert first.known == frozenset(CHAIN[:3]) and first.marks == {CHAIN[2]: ((1, 7), (3, 8))} and first.queue_len == 2
     same = memory.candidate("a", {"version": 1, "digest": CHAIN, "queue": 5, "prefill_tokens": 7}, None)
     assert same.known == frozenset(CHAIN[:3]) and same.queue_len == 5 and same.queued == 7  # the load: always
     assert memory.candidate("a", {"version": 2, "digest": CHAIN[5:], "queue": 0}, None).known == frozenset(CHAIN[5:])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from app.cache.digest import block_hashes, checkpoint_digest, matched_blocks, tree_digest
+from app.cache.digest import block_hashes, checkpoint_digest, matched_blocks, tail_hash, tree_digest
 from app.cache.radix import RadixTree
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window
 from tests.deployments.test_tuner import ANY
@@ -24,10 +24,12 @@ def test_block_hashes_chain_and_digest_of_checkpoints():
     tree.set_checkpoint(deeper.node, 2)
     digest, marks = checkpoint_digest(tree, 4)
     full = block_hashes(list(range(10)) + [7] * 10, 4)
-    assert set(digest) == set(full) and set(marks) == {full[1], full[4]}  # the last full block of each checkpoint
+    # each checkpoint's last full block, the tokens past it, and their tail hash
+    assert set(digest) == set(full) and {m[:2] for m in marks} == {(full[1], 2), (full[4], 0)}
+    assert (full[1], 2, tail_hash(full[1], [8, 9])) in marks
     tree.evict_checkpoint(lambda nodes: next(n for n in nodes if n is deeper.node))
     digest, marks = checkpoint_digest(tree, 4)  # an evicted checkpoint leaves both at once
-    assert set(digest) == set(full[:2]) and marks == [full[1]]
+    assert set(digest) == set(full[:2]) and [m[0] for m in marks] == [full[1]]
 
 
 def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):

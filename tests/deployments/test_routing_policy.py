@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from app.cache.digest import block_hashes
+from app.cache.digest import block_hashes, checkpoint_mark
 from deployments.routing_policy import Candidate, RouterKnobs, predict, rank
 
 KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, token_s=1e-3, fixed_s=0.0, step_tokens=10_000)
@@ -15,9 +15,18 @@ PROMPT = list(range(400))
 CHAIN = block_hashes(PROMPT, 4)  # 100 blocks
 
 
+def _marks(*prefixes: list[int]) -> dict:
+    """Marks of checkpoints after each of `prefixes`, as a replica publishes them and the router files them."""
+    out: dict = {}
+    for tokens in prefixes:
+        h, r, tail = checkpoint_mark(tokens, 4)
+        out[h] = out.get(h, ()) + ((r, tail),)
+    return out
+
+
 def _holder(rid: str, depth_blocks: int, **load) -> Candidate:
     """A replica with a checkpoint `depth_blocks` blocks into PROMPT (its digest: the path to it)."""
-    return Candidate(rid, known=frozenset(CHAIN[:depth_blocks]), marks=frozenset({CHAIN[depth_blocks - 1]}), **load)
+    return Candidate(rid, known=frozenset(CHAIN[:depth_blocks]), marks=_marks(PROMPT[: 4 * depth_blocks]), **load)
 
 
 def test_prediction_counts_queue_uncached_tokens_steps_and_decodes():
@@ -31,11 +40,22 @@ def test_prediction_counts_queue_uncached_tokens_steps_and_decodes():
 def test_the_deepest_checkpoint_counts_not_the_kv_match():
     """KV shared beyond the checkpoint saves this request nothing: the prediction resumes at the checkpoint, and
     only the score's affinity credit sees the KV."""
-    kv_only = Candidate("a", known=frozenset(CHAIN), marks=frozenset())
-    shallow = Candidate("b", known=frozenset(CHAIN), marks=frozenset({CHAIN[9]}))
+    kv_only = Candidate("a", known=frozenset(CHAIN))
+    shallow = Candidate("b", known=frozenset(CHAIN), marks=_marks(PROMPT[:40]))
     assert predict(kv_only, CHAIN, 400, KNOBS).uncached == 400
     assert predict(shallow, CHAIN, 400, KNOBS).uncached == 360
     assert rank([kv_only, shallow], CHAIN, 400, KNOBS)[0] == ["b"]
+
+
+def test_a_checkpoint_between_block_ends_counts_only_if_the_prompt_reaches_it():
+    """A checkpoint 42 tokens deep (block 10 plus 2 tokens): a prompt with those 2 tokens resumes there; one that
+    shares the 40 tokens of the full blocks but not the 2 after them cannot, and falls back to a shallower
+    checkpoint (or none)."""
+    c = Candidate("a", marks=_marks(PROMPT[:42], PROMPT[:20]))
+    assert predict(c, CHAIN, PROMPT, KNOBS).checkpointed == 42
+    other = PROMPT[:41] + [9999] + PROMPT[42:]
+    assert predict(c, block_hashes(other, 4), other, KNOBS).checkpointed == 20
+    assert predict(c, CHAIN, 400, KNOBS).checkpointed == 20  # without the ids, only block-aligned marks count
 
 
 def test_a_hot_prefix_stays_on_its_holder_until_the_queue_there_costs_more_than_it_saves():
@@ -91,18 +111,17 @@ def test_skewed_traffic_spreads_by_queued_work():
     replica, which then holds it too, and the replicas' request counts stay within 1.5x."""
     rng = random.Random(0)
     hot = list(range(64))
-    queued, marks, known, counts = {"a": 0, "b": 0}, {"a": set(), "b": set()}, {"a": set(), "b": set()}, {}
+    queued, marks, known, counts = {"a": 0, "b": 0}, {"a": {}, "b": {}}, {"a": set(), "b": set()}, {}
     for i in range(400):
         prompt = hot + [5000 + i] * 8 if rng.random() < 0.9 else [1000 + i] * 72
         chain = block_hashes(prompt, 4)
-        cands = [Candidate(r, known=frozenset(known[r]), marks=frozenset(marks[r]), queued=queued[r])
-                 for r in ("a", "b")]
-        chosen = rank(cands, chain, len(prompt), KNOBS)[0][0]
-        queued[chosen] += predict(cands[chosen == "b"], chain, len(prompt), KNOBS).uncached
+        cands = [Candidate(r, known=frozenset(known[r]), marks=marks[r], queued=queued[r]) for r in ("a", "b")]
+        chosen = rank(cands, chain, prompt, KNOBS)[0][0]
+        queued[chosen] += predict(cands[chosen == "b"], chain, prompt, KNOBS).uncached
         known[chosen].update(chain)
-        marks[chosen].add(chain[15])  # the branch checkpoint where the hot prompts part
+        marks[chosen] = _marks(hot)  # the branch checkpoint where the hot prompts part
         counts[chosen] = counts.get(chosen, 0) + 1
         for r in queued:
             queued[r] = max(0, queued[r] - 8)  # each replica prefills 8 tokens per arrival: fewer than come
     assert max(counts.values()) <= 1.5 * min(counts.values()), counts
-    assert all(block_hashes(hot, 4)[15] in marks[r] for r in marks)  # both hold the hot prefix now
+    assert marks["a"] == marks["b"] == _marks(hot)  # both hold the hot prefix now

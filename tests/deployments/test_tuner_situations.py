@@ -61,6 +61,8 @@ def test_when_dense_fits_a_compressed_start_returns_to_dense_and_dense_stays():
     assert t.decisions[0]["evidence"]["compression"] == 6.0
     stay = Tuner(KNOBS)
     assert _run(stay, windows) == [] and stay.current == Setting(None)
+    full = Tuner(KNOBS)  # a full dense pool that evicts nothing holds the working set: no pressure
+    assert _run(full, lambda v, r, s: Window(r, v, 20, 0.2, 0.9, 1.0, 0)) == []
 
 
 def test_a_relax_that_is_slower_is_rejected_and_the_start_setting_stays():
