@@ -6,11 +6,6 @@ evidence (what started the trial, what judged it)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import pytest
-
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window, replay
 from tests.deployments.test_tuner import ANY
 
@@ -90,22 +85,14 @@ def test_long_replays_between_turns_pick_a_checkpoint_interval():
     assert TunerKnobs().interval_for(70) == 32 and TunerKnobs().interval_for(1000) == 256
 
 
-RECORDINGS = Path(__file__).parent / "data" / "tuner_recordings.json"
+def test_a_recorded_history_replays_to_the_same_decisions():
+    """`replay` feeds a tuner's history (what bench_controller saves from a live controller) to a fresh one with the
+    same knobs and start: the same decisions, in order."""
+    def windows(version, replica, s: Setting) -> Window:
+        if s.w_max is None:
+            return Window(replica, version, 20, 0.30, 0.3, 1.0, 5)
+        return Window(replica, version, 20, 0.18, 0.8, 0.9, 1 if s.w_max > 16 else 0, compression=3.0)
 
-
-@pytest.mark.parametrize("situation", ["overflow", "fits", "chat"])
-def test_recorded_telemetry_replays_to_the_live_controllers_decisions(situation):
-    """Windows a live controller received in bench_controller's three situations (one kda-tiny replica on Ray
-    Serve), replayed into a fresh tuner with the same knobs and start: the same decisions, and the outcome each
-    situation asks for."""
-    rec = json.loads(RECORDINGS.read_text())[situation]
-    knobs = TunerKnobs(**{k: tuple(v) if isinstance(v, list) else v for k, v in rec["knobs"].items()})
-    tuner = Tuner(knobs, Setting(**rec["initial"]))
-    assert replay(tuner, rec["history"]) == rec["decisions"]
-    final = tuner.current
-    if situation == "overflow":
-        assert final.w_max is not None  # the working set did not fit dense: a compressed setting
-    elif situation == "fits":
-        assert final.w_max is None  # started compressed, back at dense
-    else:
-        assert final.interval > 0  # conversations' replays made interval checkpoints pay
+    live = Tuner(KNOBS)
+    decisions = _run(live, windows)
+    assert decisions and replay(Tuner(KNOBS), list(live.history)) == decisions

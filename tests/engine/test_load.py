@@ -23,7 +23,8 @@ def test_step_cost_fits_fixed_and_per_token_parts():
     flat = StepCost()
     for _ in range(5):
         flat.add(8, 0.016)  # one size only: no slope to fit, the time is taken as per-token cost
-    assert flat.fit() == (0.0, 0.002)
+    fixed, per_token = flat.fit()
+    assert fixed == 0.0 and abs(per_token - 0.002) < 1e-12
 
 
 def test_waiting_prefill_counts_from_the_checkpoint_each_request_would_resume_at():
