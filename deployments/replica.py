@@ -2,8 +2,8 @@
 
 - `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
   chunk, the full text and token ids on the last.
-- `record_routing_stats()` publishes the digest of prefixes it holds checkpoints for, their marks and the
-  engine's load (`app/engine/load.py`): what the router predicts a request's TTFT from.
+- `record_routing_stats()` publishes the digest of the prefixes it holds KV for, the marks of its checkpoints and
+  the engine's load (`app/engine/load.py`): what the router predicts a request's TTFT from.
 - A background loop pushes a telemetry window to the tuning controller every `window_s` (with the setting it
   runs, which a recreated controller adopts) and applies the assignment it reads back (between engine steps;
   a codec change drops the old checkpoints). It retunes only when the assigned setting differs from the one it
@@ -24,7 +24,7 @@ import time
 import torch
 from ray import serve
 
-from app.cache.digest import checkpoint_digest
+from app.cache.digest import prefix_digest
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
@@ -76,7 +76,7 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict:
         def collect(engine: Engine):
             running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
-            return running, waiting, checkpoint_digest(engine.cache.tree, self.digest_block), load_report(engine)
+            return running, waiting, prefix_digest(engine.cache.tree, self.digest_block), load_report(engine)
 
         running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.call, collect)
         self._waiting_peak = max(self._waiting_peak, waiting)

@@ -3,9 +3,11 @@ to first token is least (`routing_policy.rank`): the prefill queued there, plus 
 checkpoints leave this request to prefill, at the replica's measured step cost.
 
 Replicas publish, through `record_routing_stats()`, their load, a digest (chained block hashes of the prefixes
-they hold checkpoints for) and the checkpoints' marks every `request_routing_stats_period_s`. The router also
-remembers which block chains it sent where (`RouterMemory`), so requests sharing a new prefix stick to one replica
-until that replica's digest shows the prefix, and the prefill it sent since the last stats.
+they hold KV for) and their checkpoints' marks every `request_routing_stats_period_s`. The router also remembers
+which block chains it sent where (`RouterMemory`), so requests sharing a new prefix stick to one replica until
+that replica's digest shows the prefix, the branch checkpoints those requests will have it cut, and the prefill it
+sent since the last stats. A decision is remembered when it is made, not when Ray reports the request sent (a
+burst of requests is routed before the first is sent); a request Ray sends elsewhere is remembered there too.
 
 Knobs (deployment `request_router_kwargs`): block_size, affinity_credit, share_window (see `RouterKnobs`),
 remember_s and settle_s (see `RouterMemory`).
@@ -16,6 +18,8 @@ replica is left out unless it is the only one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.routing_policy import RouterKnobs, RouterMemory, predict, rank
@@ -25,6 +29,7 @@ class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, remember_s: float = 30.0, settle_s: float = 2.0, **knobs) -> None:
         self.knobs = RouterKnobs(**knobs)
         self.memory = RouterMemory(remember_s, self.knobs.share_window, settle_s)
+        self._decided: OrderedDict[str, str] = OrderedDict()  # request id -> replica id, until Ray sends it
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -32,16 +37,29 @@ class PrefixAwareRouter(RequestRouter):
         avoid = getattr(pending_request.args[0], "avoid", None) if pending_request and pending_request.args else None
         candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        candidates = [self._candidate(r) for r in candidate_replicas]
-        return [[by_id[i] for i in tier] for tier in rank(candidates, chain, tokens, self.knobs)]
+        candidates = {c.replica_id: c for c in map(self._candidate, candidate_replicas)}
+        ranks = rank(list(candidates.values()), chain, tokens, self.knobs)
+        request_id = pending_request.metadata.request_id if pending_request is not None else None
+        if ranks and request_id is not None and self._decided.get(request_id) != ranks[0][0]:
+            self._remember(candidates[ranks[0][0]], chain, tokens, confirmed=False)
+            self._decided[request_id] = ranks[0][0]
+            while len(self._decided) > 4096:  # requests never sent (cancelled while routing)
+                self._decided.popitem(last=False)
+        return [[by_id[i] for i in tier] for tier in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        chain, tokens = _request(pending_request, self.knobs.block_size)
-        replica = self.curr_replicas.get(replica_id)
-        stats = replica.routing_stats if replica is not None else None
-        uncached = predict(self.memory.candidate(replica_id.unique_id, stats, None), chain, tokens,
-                           self.knobs).uncached
-        self.memory.routed(replica_id.unique_id, chain, uncached)
+        decided = self._decided.pop(pending_request.metadata.request_id, None)
+        if decided is not None:
+            self.memory.confirmed(decided)
+        if decided != replica_id.unique_id:  # sent elsewhere (its first choice was full), or not routed by us
+            chain, tokens = _request(pending_request, self.knobs.block_size)
+            replica = self.curr_replicas.get(replica_id)
+            stats = replica.routing_stats if replica is not None else None
+            self._remember(self.memory.candidate(replica_id.unique_id, stats, None), chain, tokens, confirmed=True)
+
+    def _remember(self, c, chain: list[int], tokens, confirmed: bool) -> None:
+        p = predict(c, chain, tokens, self.knobs)
+        self.memory.routed(c.replica_id, chain, p.uncached, p.branch(c, self.knobs.block_size), confirmed)
 
     def _candidate(self, replica: RunningReplica):
         return self.memory.candidate(replica.replica_id.unique_id, replica.routing_stats,

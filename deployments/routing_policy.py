@@ -19,8 +19,10 @@ For each candidate replica `predict` estimates the request's time to first token
 
 The request goes to the least `score`: ttft minus `affinity_credit` times the prefill time of the tokens the
 replica holds as KV beyond its checkpoint (its digest, and what this router sent it lately). Those save this
-request nothing, but the engine cuts a branch checkpoint where the prompt leaves that KV, and the prefix's later
-requests resume there: keeping a prefix on one replica is what makes its checkpoints pay. Balance comes from
+request nothing, but the engine cuts a branch checkpoint where the prompt leaves that KV (`tail` tokens before,
+under a recompute tail), and the prefix's later requests resume there: keeping a prefix on one replica is what
+makes its checkpoints pay. The router's memory predicts that checkpoint (an expected mark) as soon as it sends
+such a request, so the next request of the prefix sees it before the replica's digest does. Balance comes from
 the queue: a hot prefix spills to a second replica when the work queued ahead of its holder costs more than the
 prefill its checkpoint saves. Scores within one block's prefill time of the best tie; ties go to the replica
 with fewer of the recent decisions, then the lower id.
@@ -29,9 +31,10 @@ with fewer of the recent decisions, then the lower id.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from app.cache.digest import matched_blocks, tail_hash
@@ -54,8 +57,8 @@ class RouterKnobs:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A replica as the policy sees it. known: block hashes on the paths to its checkpoints plus those this router
-    sent it lately (KV it holds or will); marks: its checkpoints (`app.cache.digest.checkpoint_mark`), by the
+    """A replica as the policy sees it. known: block hashes of the KV it holds (its digest) plus those this router
+    sent it lately (KV it will hold); marks: its checkpoints (`app.cache.digest.checkpoint_mark`), by the
     hash of each one's last full block."""
 
     replica_id: str
@@ -64,6 +67,7 @@ class Candidate:
     queued: int = 0  # prefill tokens waiting there
     decoding: int = 0  # sequences decoding there
     resume: int = 0  # tokens a hit recomputes (the dasc-wr replay window)
+    tail: int = 0  # tokens before a branch point where the engine stores its branch checkpoint (recompute tail)
     token_s: float | None = None  # measured step cost per token; None: RouterKnobs.token_s
     fixed_s: float | None = None  # measured step cost whatever its tokens
     step_tokens: int | None = None  # the replica's token budget per step
@@ -77,6 +81,13 @@ class Prediction:
     uncached: int  # tokens this request prefills there
     ttft_s: float
     score: float
+    kv: int = 0  # prompt tokens held as KV there (block-aligned)
+
+    def branch(self, c: "Candidate", block: int) -> int:
+        """Blocks of the prefix whose branch checkpoint this request would have the replica store (0: none): the
+        KV it shares beyond the checkpoint, less the recompute tail, whole blocks."""
+        blocks = max(0, self.kv - c.tail) // block
+        return blocks if blocks * block > self.checkpointed else 0
 
 
 def checkpointed(marks: dict, chain: list[int], tokens: list[int] | None, block: int) -> int:
@@ -111,7 +122,18 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
     steps = math.ceil(work / budget)
     ttft = steps * fixed_s + token_s * (work + c.decoding * steps)
     kv = matched_blocks(chain, c.known) * knobs.block_size
-    return Prediction(depth, uncached, ttft, ttft - knobs.affinity_credit * token_s * max(0, kv - depth))
+    return Prediction(depth, uncached, ttft, ttft - knobs.affinity_credit * token_s * max(0, kv - depth), kv)
+
+
+def with_peer_costs(candidates: list[Candidate]) -> list[Candidate]:
+    """A replica that has not measured its step cost yet (just started) is taken to cost what its measured peers
+    do (their median), not the knobs' guess: a guess off by 3x would steer every request away from it or to it."""
+    measured = [c for c in candidates if c.token_s is not None]
+    if not measured or len(measured) == len(candidates):
+        return candidates
+    token_s = statistics.median(c.token_s for c in measured)
+    fixed_s = statistics.median(c.fixed_s or 0.0 for c in measured)
+    return [c if c.token_s is not None else replace(c, token_s=token_s, fixed_s=fixed_s) for c in candidates]
 
 
 def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int,
@@ -119,6 +141,7 @@ def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int,
     """Replica ids in preference ranks: [[chosen], [the rest by score]]. tokens: the prompt's ids, or its length."""
     if not candidates:
         return []
+    candidates = with_peer_costs(candidates)
     preds = {c.replica_id: predict(c, chain, tokens, knobs).score for c in candidates}
     tie = knobs.block_size * min((c.token_s if c.token_s is not None else knobs.token_s) for c in candidates)
     best = min(preds.values())
@@ -136,9 +159,12 @@ class RouterMemory:
       (inclusive), so requests sharing a new prefix stick to one replica until its digest shows the prefix; and
       it is dropped earlier when a digest first seen more than `settle_s` after t does not hold it (the replica
       evicted it, or its codec changed and dropped its checkpoints);
+    - per replica, the checkpoints it expects a sent request to cut (`routed(branch=...)`): a mark at the end of
+      that many blocks of the chain, held until a stats version first seen more than `settle_s` after the send
+      (which shows the real mark, or shows that none was cut) or for remember_s;
     - per replica, the prefill tokens sent since its last stats version, of which the latest `queue_len` (the
-      requests in flight there, when known) are added to the reported queue: a request that finished before the
-      next stats no longer counts;
+      requests in flight there, when known, plus those routed but not yet `confirmed` as sent) are added to the
+      reported queue: a request that finished before the next stats no longer counts;
     - the replicas of the last `share_window` routing decisions (`Candidate.recent`)."""
 
     def __init__(self, remember_s: float, share_window: int, settle_s: float = 2.0,
@@ -147,16 +173,30 @@ class RouterMemory:
         self._recent: deque[str] = deque(maxlen=share_window)
         self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
         self._sent: dict[str, list[int]] = {}  # replica -> prefill tokens sent since its stats version
+        self._unconfirmed: dict[str, int] = {}  # replica -> routed there, not yet seen sent (Ray counts it then)
+        self._expected: dict[str, dict[int, float]] = {}  # replica -> block hash of an expected mark -> when
         # replica -> (stats version, when first seen, digest, marks)
         self._stats: dict[str, tuple[object, float, frozenset[int], dict]] = {}
 
-    def routed(self, replica_id: str, chain: list[int], tokens: int = 0) -> None:
-        """One decision: the request with block hashes `chain`, predicted to prefill `tokens` there, went to
-        `replica_id`."""
+    def routed(self, replica_id: str, chain: list[int], tokens: int = 0, branch: int = 0,
+               confirmed: bool = True) -> None:
+        """One decision: the request with block hashes `chain`, predicted to prefill `tokens` there and to have the
+        replica checkpoint its first `branch` blocks (`Prediction.branch`; 0: none), went to `replica_id`.
+        confirmed=False: decided, not yet sent (see `confirmed`)."""
         self._recent.append(replica_id)
         now = self.clock()
         self._routed.setdefault(replica_id, {}).update((h, now) for h in chain)
         self._sent.setdefault(replica_id, []).append(tokens)
+        if branch:
+            self._expected.setdefault(replica_id, {})[chain[branch - 1]] = now
+        if not confirmed:
+            self._unconfirmed[replica_id] = self._unconfirmed.get(replica_id, 0) + 1
+
+    def confirmed(self, replica_id: str) -> None:
+        """A request `routed(confirmed=False)` to `replica_id` was sent there: the replica's request count now
+        includes it."""
+        if self._unconfirmed.get(replica_id, 0) > 0:
+            self._unconfirmed[replica_id] -= 1
 
     def candidate(self, replica_id: str, stats: dict | None, queue_len: int | None) -> Candidate:
         """The replica as `rank` sees it. stats: its published routing stats (`record_routing_stats`), None
@@ -173,20 +213,31 @@ class RouterMemory:
             held = (version, now, frozenset(stats.get("digest", ())), marks)
             self._stats[replica_id] = held
             self._sent[replica_id] = []  # taken as counted in the new stats' queue
+            self._unconfirmed[replica_id] = 0
             if version is not None:  # a digest to disagree with
                 for h in [h for h, t in routed.items() if t < now - self.settle_s and h not in held[2]]:
                     del routed[h]
+                expected = self._expected.get(replica_id, {})
+                for h in [h for h, t in expected.items() if t < now - self.settle_s]:
+                    del expected[h]
         horizon = now - self.remember_s
-        for h in [h for h, t in routed.items() if t < horizon]:
-            del routed[h]
+        for memory in (routed, self._expected.get(replica_id, {})):
+            for h in [h for h, t in memory.items() if t < horizon]:
+                del memory[h]
         sent = self._sent.get(replica_id, [])
-        if queue_len is not None:  # at most the latest `queue_len` sends are still in flight there
-            sent = sent[len(sent) - queue_len:] if queue_len < len(sent) else sent
+        if queue_len is not None:  # at most the latest sends, as many as are in flight there, count
+            in_flight = queue_len + self._unconfirmed.get(replica_id, 0)
+            sent = sent[len(sent) - in_flight:] if in_flight < len(sent) else sent
         sent = sum(sent)
+        marks = held[3]
+        if self._expected.get(replica_id):
+            marks = dict(marks)
+            for h in self._expected[replica_id]:
+                marks[h] = marks.get(h, ()) + ((0, tail_hash(h, [])),)
         return Candidate(
-            replica_id, held[2] | frozenset(routed) if routed else held[2], held[3],
+            replica_id, held[2] | frozenset(routed) if routed else held[2], marks,
             queued=int(stats.get("prefill_tokens", 0)) + sent, decoding=int(stats.get("decoding", 0)),
-            resume=int(stats.get("resume_tokens", 0)), token_s=stats.get("step_token_s"),
-            fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
+            resume=int(stats.get("resume_tokens", 0)), tail=int(stats.get("tail_tokens", 0)),
+            token_s=stats.get("step_token_s"), fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
             queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
             recent=sum(1 for r in self._recent if r == replica_id))

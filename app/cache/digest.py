@@ -2,8 +2,11 @@
 
 hash_k = H(hash_{k-1}, tokens of block k) over full blocks of `block` tokens from a fixed seed (as vLLM's
 `hash_block_tokens`), 64-bit blake2b, so any process computes the same values. A replica publishes the
-hashes of every full block on the path to each of its checkpoints; a request whose first i block hashes
-are all published shares (about) i * block tokens with a checkpoint there.
+hashes of every full block its tree holds KV for (`prefix_digest`), and a mark per checkpoint
+(`checkpoint_mark`); a request whose first i block hashes are all published shares (about) i * block tokens
+of KV there, and resumes from the deepest mark its tokens reach. KV without a checkpoint saves a hybrid model
+nothing by itself, but it is where the engine cuts the branch checkpoint the prefix's next requests resume
+from: the router keeps a prefix near its KV for that.
 
 A cache salt seeds the chain (`chain_seed`): the cache keeps each salt's prefixes apart (app/cache/radix.py), so
 a salted request's hashes match only checkpoints of its own salt, and no digest shows one tenant's prefixes
@@ -43,12 +46,6 @@ def matched_blocks(chain: list[int], known: set[int] | frozenset[int]) -> int:
     return n
 
 
-def tree_digest(tree, block: int, limit: int = 8192) -> list[int]:
-    """Block hashes of the prefixes of the tree's checkpoints (each chain seeded by its root's salt), most
-    recently used checkpoints first, at most `limit` hashes."""
-    return checkpoint_digest(tree, block, limit)[0]
-
-
 def tail_hash(block_hash: int, tail: list[int]) -> int:
     """The hash that pins a checkpoint's position inside the block after its last full one: the tokens between
     that block's end and the checkpoint, chained from the block's hash."""
@@ -68,19 +65,26 @@ def checkpoint_mark(tokens: list[int], block: int, salt: str | None = None,
     return chain[k - 1], len(tokens) - k * block, tail_hash(chain[k - 1], tokens[k * block :])
 
 
-def checkpoint_digest(tree, block: int, limit: int = 8192) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """(`tree_digest`, the marks): `checkpoint_mark` of each checkpoint, which a router checks against a prompt's
-    chain and tokens to find the deepest checkpoint the prompt can resume from."""
-    nodes = sorted((n for n in tree.nodes() if n.checkpoint is not None), key=lambda n: -n.ckpt_access)
-    seen: dict[int, None] = {}
+def prefix_digest(tree, block: int, limit: int = 8192) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(the hashes of every full block the tree holds KV for, each chain seeded by its root's salt; the
+    `checkpoint_mark` of each checkpoint). One walk: each node's blocks are hashed once, chained from its
+    parent's last full block, and the most recently used branches come first; at most `limit` hashes (a
+    checkpoint's mark is listed only with its path)."""
+    hashes: list[int] = []
     marks: dict[tuple[int, int, int], None] = {}
-    for node in nodes:
-        salt, tokens = tree.path(node)
-        chain = block_hashes(tokens, block, salt)
-        seen.update(dict.fromkeys(chain))
-        mark = checkpoint_mark(tokens, block, salt, chain)
-        if mark is not None:
-            marks.setdefault(mark)
-        if len(seen) >= limit:
-            break
-    return list(seen)[:limit], list(marks)
+    # (node, the chain value after the last full block above the node's edge, the tokens past that block)
+    stack = [(r, chain_seed(r.salt), []) for r in sorted(tree.roots.values(), key=lambda n: n.kv_access)]
+    while stack:
+        node, parent, pending = stack.pop()
+        pending = pending + node.tokens if node.parent is not None else pending
+        while len(pending) >= block:
+            if len(hashes) >= limit:
+                return hashes, list(marks)
+            parent = hashlib.blake2b(parent + repr(pending[:block]).encode(), digest_size=8).digest()
+            pending = pending[block:]
+            hashes.append(int.from_bytes(parent, "little"))
+        if node.checkpoint is not None and node.depth >= block:
+            last = int.from_bytes(parent, "little")
+            marks.setdefault((last, len(pending), tail_hash(last, pending)))
+        stack += [(c, parent, pending) for c in sorted(node.children.values(), key=lambda n: n.kv_access)]
+    return hashes, list(marks)

@@ -48,8 +48,8 @@ class EngineConfig:
     experts; on the CPU the graph step runs eagerly (the tested twin, not faster), and the compiled step turns
     the step's few hundred dispatched ops into a few fused C++ kernels and C++ GEMM kernels on frozen,
     pre-packed weights, one copy per batch bucket (it needs a C++ compiler). checkpoint_min_gap skips a
-    branch-point, generation-end or decode-interval checkpoint that would nearly duplicate the sequence's last
-    one; a later request replays those few tokens instead.
+    branch-point, prompt-end, generation-end or decode-interval checkpoint that would nearly duplicate the
+    sequence's last one; a later request replays those few tokens instead.
     """
 
     max_running: int = knob(64, "sequences decoding or prefilling at once (active state slots)", ge=1)
@@ -81,8 +81,8 @@ class EngineConfig:
                                       "prompt tokens before the last one (prompt-end checkpoints sit that far back)",
                                  ge=0)
     store_generation_end: bool = knob(True, "checkpoint where generation ended, so a conversation's next turn hits")
-    checkpoint_min_gap: int = knob(16, "skip a branch, generation-end or interval checkpoint fewer than this many "
-                                       "tokens above the sequence's last one", ge=0)
+    checkpoint_min_gap: int = knob(16, "skip a branch, prompt-end, generation-end or interval checkpoint fewer than "
+                                       "this many tokens above the sequence's last one", ge=0)
     device: str = knob("cpu", "cpu, cuda (TP rank r on the r-th visible GPU) or cuda:N (rank r on GPU N + r)",
                        pattern=r"cpu|cuda(:\d+)?")
     dtype: Dtype = knob("float32", "weights and KV (recurrent states and their checkpoints stay fp32)")

@@ -1,5 +1,6 @@
 """What an engine tells a router about its load: the prefill work waiting, the sequences decoding, what a hit
-still recomputes, and the measured cost of a step (`StepCost`), from which the router predicts a request's time
+still recomputes, how far before a prompt's branch point its branch checkpoint sits (the recompute tail), and the
+measured cost of a step (`StepCost`), from which the router predicts a request's time
 to first token on each replica (deployments/routing_policy.py)."""
 
 from __future__ import annotations
@@ -52,6 +53,6 @@ def load_report(engine) -> dict:
         prefill += s.num_tokens - hit.checkpoint_len + (resume if hit.checkpoint_len else 0)
     decoding = sum(1 for s in sched.running if s.num_computed >= s.num_tokens - 1)
     fit = engine.telemetry.step_cost.fit()
-    return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume),
+    return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume), "tail_tokens": cfg.tail,
             "step_tokens": cfg.max_tokens_per_step, "step_fixed_s": None if fit is None else fit[0],
             "step_token_s": None if fit is None else fit[1]}

@@ -227,7 +227,10 @@ class Scheduler:
         """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch points (where
         the KV match ends, and a stateless fork on the matched path; each unless the loaded checkpoint is
         fewer than `checkpoint_min_gap` tokens above it), the prompt end (admission permitting) and, for n > 1,
-        the fork point of the request's own samples. Under a recompute tail (`EngineConfig.tail`) the branch
+        the fork point of the request's own samples. A prompt end fewer than `checkpoint_min_gap` tokens above
+        the checkpoint the request loaded or the last cut before it is not stored: a repeat replays those few
+        tokens from there (the prompts that share a header and differ in a short query do not each fill a slot
+        with a checkpoint only an exact repeat could use). Under a recompute tail (`EngineConfig.tail`) the branch
         and prompt-end checkpoints sit `tail` tokens earlier, where a later request's lossy load may use them."""
         cuts: dict[int, str] = {}
         prompt_end = seq.prompt_len - 1
@@ -241,7 +244,10 @@ class Scheduler:
                         cuts[pos] = "branch"
             salt = seq.params.cache_salt
             at = prompt_end - self.cfg.tail  # where a repeat of this prompt can load it (see `_admit`)
-            if at > seq.num_computed and self.cache.admit_prompt_end(seq.prompt_ids[:at], salt):
+            below = max([seq.num_computed, *cuts])  # the checkpoint this prompt loaded or cuts last before its end
+            gap = self.cfg.checkpoint_min_gap if below else 0
+            if at > below + max(0, gap - 1) and \
+                    self.cache.admit_prompt_end(seq.prompt_ids[:at], salt):
                 cuts[at] = "prompt_end"
         if seq.params.n > 1 and seq.index == 0 and prompt_end > seq.num_computed:
             cuts[prompt_end] = "fork"

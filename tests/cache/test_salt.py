@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from app.cache.digest import block_hashes, tree_digest
+from app.cache.digest import block_hashes, prefix_digest
 from app.cache.policy import SecondHitFilter
 from app.cache.radix import RadixTree
 
@@ -52,10 +52,10 @@ def test_the_second_hit_filter_keeps_salts_apart():
     assert seen.seen_before(TOKENS, "a") and seen.seen_before(TOKENS)
 
 
-def test_the_digest_publishes_each_checkpoint_under_its_salt():
+def test_the_digest_publishes_each_prefix_under_its_salt():
     tree = _tree_with(["a"])
-    digest = set(tree_digest(tree, 4))
+    digest = set(prefix_digest(tree, 4)[0])
     assert digest == set(block_hashes(TOKENS, 4, salt="a"))
     assert not digest & set(block_hashes(TOKENS, 4)) and not digest & set(block_hashes(TOKENS, 4, salt="b"))
     both = _tree_with([None, "a"])
-    assert set(tree_digest(both, 4)) == set(block_hashes(TOKENS, 4)) | set(block_hashes(TOKENS, 4, salt="a"))
+    assert set(prefix_digest(both, 4)[0]) == set(block_hashes(TOKENS, 4)) | set(block_hashes(TOKENS, 4, salt="a"))

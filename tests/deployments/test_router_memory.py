@@ -4,7 +4,7 @@ digests (the prefixes and the prefill it sent there), and when it forgets."""
 from __future__ import annotations
 
 from app.cache.digest import block_hashes
-from deployments.routing_policy import RouterKnobs, RouterMemory, rank
+from deployments.routing_policy import RouterKnobs, RouterMemory, predict, rank
 
 KNOBS = RouterKnobs(block_size=4, share_window=20)
 CHAIN = block_hashes(list(range(40)), 4)  # 10 blocks
@@ -117,3 +117,35 @@ def test_a_new_prefix_sticks_to_its_replica_until_remember_s_passes():
     assert route() == "a"
     clock.now += 10.5
     assert route() == "b"  # forgotten: back to load, where b has the fewer recent decisions
+
+
+def test_a_request_that_will_cut_a_branch_checkpoint_shows_it_until_the_digest_can():
+    """Sent with `branch`, the request has the replica checkpoint its first blocks: the next request of that
+    prefix sees the mark at once, until a digest first seen settle_s after the send (which shows the real mark,
+    or that none was cut) takes over."""
+    clock = _Clock()
+    memory = RouterMemory(remember_s=30.0, share_window=8, settle_s=2.0, clock=clock)
+    memory.routed("a", CHAIN, 40, branch=6)
+    c = memory.candidate("a", {"version": 1, "digest": []}, None)
+    assert predict(c, CHAIN, list(range(40)), KNOBS).checkpointed == 24
+    assert predict(memory.candidate("b", None, None), CHAIN, 40, KNOBS).checkpointed == 0
+    clock.now += 1.0
+    assert predict(memory.candidate("a", {"version": 2, "digest": []}, None), CHAIN, 40, KNOBS).checkpointed == 24
+    clock.now += 2.0  # version 3 is first seen 3 s after the send: the digest decides
+    assert memory.candidate("a", {"version": 3, "digest": CHAIN, "marks": []}, None).marks == {}
+
+
+def test_a_decision_counts_toward_the_queue_before_ray_reports_the_request_sent():
+    """Ray counts a request in a replica's queue length once it is sent, and a burst of requests is routed before
+    the first is sent: unconfirmed decisions count on top of the queue length."""
+    memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
+    stats = {"version": 1, "prefill_tokens": 0}
+    memory.candidate("a", stats, 0)
+    memory.routed("a", CHAIN, 300, confirmed=False)
+    memory.routed("a", CHAIN, 200, confirmed=False)
+    assert memory.candidate("a", stats, 0).queued == 500  # neither is in Ray's count yet
+    memory.confirmed("a")
+    assert memory.candidate("a", stats, 1).queued == 500  # one sent and counted, one still unconfirmed
+    memory.confirmed("a")
+    memory.confirmed("a")  # a stray confirmation does not go below zero
+    assert memory.candidate("a", stats, 1).queued == 200  # only the latest is in flight

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from app.cache.digest import block_hashes, checkpoint_digest, matched_blocks, tail_hash, tree_digest
+from app.cache.digest import block_hashes, matched_blocks, prefix_digest, tail_hash
 from app.cache.radix import RadixTree
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window
 from tests.deployments.test_tuner import ANY
 
 
-def test_block_hashes_chain_and_digest_of_checkpoints():
+def test_block_hashes_chain_and_digest_of_kv_and_checkpoints():
     a = block_hashes(list(range(12)), 4)
     b = block_hashes(list(range(8)) + [99, 9, 10, 11], 4)
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
@@ -19,17 +19,22 @@ def test_block_hashes_chain_and_digest_of_checkpoints():
     tree = RadixTree()
     res = tree.insert(list(range(10)), torch.arange(10))
     tree.set_checkpoint(res.node, 1)
-    assert set(tree_digest(tree, 4)) == set(block_hashes(list(range(10)), 4))
-    deeper = tree.insert(list(range(10)) + [7] * 10, torch.arange(20))
+    digest, marks = prefix_digest(tree, 4)
+    assert digest == block_hashes(list(range(10)), 4) and marks == [(a[1], 2, tail_hash(a[1], [8, 9]))]
+    long = list(range(10)) + [7] * 10
+    deeper = tree.insert(long, torch.arange(20))
     tree.set_checkpoint(deeper.node, 2)
-    digest, marks = checkpoint_digest(tree, 4)
-    full = block_hashes(list(range(10)) + [7] * 10, 4)
+    tree.insert([5] * 9, torch.arange(20, 29))  # KV without a checkpoint: in the digest, no mark
+    digest, marks = prefix_digest(tree, 4)
+    full = block_hashes(long, 4)
+    # every full block held as KV, each once (the edges split at 10 and the chain runs on across them)
+    assert sorted(digest) == sorted(full + block_hashes([5] * 9, 4))
     # each checkpoint's last full block, the tokens past it, and their tail hash
-    assert set(digest) == set(full) and {m[:2] for m in marks} == {(full[1], 2), (full[4], 0)}
-    assert (full[1], 2, tail_hash(full[1], [8, 9])) in marks
+    assert sorted(marks) == sorted([(full[1], 2, tail_hash(full[1], [8, 9])), (full[4], 0, tail_hash(full[4], []))])
     tree.evict_checkpoint(lambda nodes: next(n for n in nodes if n is deeper.node))
-    digest, marks = checkpoint_digest(tree, 4)  # an evicted checkpoint leaves both at once
-    assert set(digest) == set(full[:2]) and [m[0] for m in marks] == [full[1]]
+    digest, marks = prefix_digest(tree, 4)  # an evicted checkpoint takes its mark; its KV stays
+    assert sorted(digest) == sorted(full + block_hashes([5] * 9, 4)) and [m[0] for m in marks] == [full[1]]
+    assert prefix_digest(tree, 4, limit=3)[0] in (full[:3], block_hashes([5] * 9, 4) + full[:1])  # cut at the limit
 
 
 def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):

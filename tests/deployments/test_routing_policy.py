@@ -6,6 +6,7 @@ count, and a new prefix sticks to the replica its first request went to."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from app.cache.digest import block_hashes, checkpoint_mark
 from deployments.routing_policy import Candidate, RouterKnobs, predict, rank
@@ -125,3 +126,24 @@ def test_skewed_traffic_spreads_by_queued_work():
             queued[r] = max(0, queued[r] - 8)  # each replica prefills 8 tokens per arrival: fewer than come
     assert max(counts.values()) <= 1.5 * min(counts.values()), counts
     assert marks["a"] == marks["b"] == _marks(hot)  # both hold the hot prefix now
+
+
+def test_the_branch_a_request_would_cut_is_its_kv_beyond_the_checkpoint_less_the_tail():
+    c = Candidate("a", known=frozenset(CHAIN[:60]), marks=_marks(PROMPT[:40]))
+    p = predict(c, CHAIN, PROMPT, KNOBS)
+    assert (p.checkpointed, p.kv) == (40, 240) and p.branch(c, 4) == 60
+    tailed = Candidate("a", known=frozenset(CHAIN[:60]), marks=_marks(PROMPT[:40]), tail=10)
+    assert predict(tailed, CHAIN, PROMPT, KNOBS).branch(tailed, 4) == 57  # (240 - 10) // 4 blocks
+    deep = Candidate("a", known=frozenset(CHAIN[:60]), marks=_marks(PROMPT[:240]))
+    assert predict(deep, CHAIN, PROMPT, KNOBS).branch(deep, 4) == 0  # the KV ends at the checkpoint: no branch
+    assert predict(Candidate("b"), CHAIN, PROMPT, KNOBS).branch(Candidate("b"), 4) == 0
+
+
+def test_a_replica_yet_to_measure_its_step_cost_is_priced_like_its_peers():
+    """A just-started replica's cost is its measured peers' median, not the knobs' guess (1 ms a token here, 5x
+    what the peers measure): with equal queues and no match, it is not shunned."""
+    busier = [Candidate(r, queued=1000, token_s=2e-4, fixed_s=0.0, recent=3) for r in ("a", "b")]
+    fresh = Candidate("c", queued=1000)
+    assert rank(busier + [fresh], CHAIN, 400, KNOBS)[0] == ["c"]  # a tie, and c had fewer recent decisions
+    assert rank(busier + [replace(fresh, queued=1200)], CHAIN, 400, KNOBS)[0] == ["a"]  # 200 tokens more queued
+    assert rank([replace(fresh, queued=900)] + busier, CHAIN, 400, KNOBS)[0] == ["c"]

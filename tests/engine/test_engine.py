@@ -81,8 +81,29 @@ def test_repeated_prompt_hits_at_prompt_end_and_next_turn_hits(zoo):
     assert nxt.output_ids == generate(model, turn2, 8)
     short = Engine(model, tok, EngineConfig(checkpoint_slots=8))  # default gap 16: no generation-end store
     short.generate([prompt], GREEDY)
+    assert short.snapshot()["checkpoint_stores_by_kind"] == {"prompt_end": 1}  # its generation end: 8 tokens on
     assert short.generate([turn2], GREEDY)[0][0].cached_tokens == len(prompt) - 1
-    assert "generation_end" not in short.snapshot()["checkpoint_stores_by_kind"]
+    # turn 2's prompt end lies 10 tokens above the checkpoint it loaded: not stored; its generation end, 18 above,
+    # is the one checkpoint it adds
+    assert short.snapshot()["checkpoint_stores_by_kind"] == {"prompt_end": 1, "generation_end": 1}
+
+
+def test_queries_on_a_shared_header_fill_no_slot_with_their_prompt_ends(zoo):
+    """Few-shot traffic: one long header, many short queries. The second request cuts a branch checkpoint where
+    it leaves the first one's KV; its prompt end, and those of the requests that load the branch, lie fewer than
+    `checkpoint_min_gap` tokens above it and are not stored (each would serve only an exact repeat, and with
+    every query storing one they evicted the header's checkpoint from a small pool)."""
+    model, tok = zoo
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8))
+    header = tok.encode("\n".join(f"field_{i} = {i * 37 % 101}" for i in range(12)))
+    queries = [tok.encode(f"\n{w} = ?") for w in ("alpha", "beta", "gamma", "delta", "omega")]
+    assert all(len(q) < 16 for q in queries)
+    outs = [eng.generate([header + q], GREEDY)[0][0] for q in queries]
+    stores = eng.snapshot()["checkpoint_stores_by_kind"]
+    assert stores == {"prompt_end": 1, "branch": 1}, stores
+    assert outs[0].cached_tokens == outs[1].cached_tokens == 0
+    assert all(o.cached_tokens >= len(header) - 1 for o in outs[2:])
+    assert [o.output_ids for o in outs[2:]] == [generate(model, header + q, 8) for q in queries[2:]]
 
 
 def test_interval_checkpoint_right_after_the_prompt_end_is_skipped(zoo):
