@@ -5,7 +5,7 @@ checkpoints leave this request to prefill, at the replica's measured step cost.
 Replicas publish, through `record_routing_stats()`, their load, a digest (chained block hashes of the prefixes
 they hold KV for) and their checkpoints' marks every `request_routing_stats_period_s`. The router also remembers
 which block chains it sent where (`RouterMemory`), so requests sharing a new prefix stick to one replica until
-that replica's digest shows the prefix, the branch checkpoints those requests will have it cut, and the prefill it
+that replica's digest shows the prefix, the checkpoints those requests will have it store, and the prefill it
 sent since the last stats. A decision is remembered when it is made, not when Ray reports the request sent (a
 burst of requests is routed before the first is sent); a request Ray sends elsewhere is remembered there too.
 
@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.routing_policy import RouterKnobs, RouterMemory, predict, rank
+from deployments.routing_policy import RouterKnobs, RouterMemory, expected_marks, predict, rank
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -59,7 +59,8 @@ class PrefixAwareRouter(RequestRouter):
 
     def _remember(self, c, chain: list[int], tokens, confirmed: bool) -> None:
         p = predict(c, chain, tokens, self.knobs)
-        self.memory.routed(c.replica_id, chain, p.uncached, p.branch(c, self.knobs.block_size), confirmed)
+        self.memory.routed(c.replica_id, chain, p.uncached, expected_marks(c, chain, tokens, p, self.knobs.block_size),
+                           confirmed)
 
     def _candidate(self, replica: RunningReplica):
         return self.memory.candidate(replica.replica_id.unique_id, replica.routing_stats,

@@ -21,8 +21,9 @@ The request goes to the least `score`: ttft minus `affinity_credit` times the pr
 replica holds as KV beyond its checkpoint (its digest, and what this router sent it lately). Those save this
 request nothing, but the engine cuts a branch checkpoint where the prompt leaves that KV (`tail` tokens before,
 under a recompute tail), and the prefix's later requests resume there: keeping a prefix on one replica is what
-makes its checkpoints pay. The router's memory predicts that checkpoint (an expected mark) as soon as it sends
-such a request, so the next request of the prefix sees it before the replica's digest does. Balance comes from
+makes its checkpoints pay. The router's memory predicts that checkpoint, and the prompt-end one every request
+stores (`expected_marks`), as soon as it sends the request, so the prefix's next request (or the conversation's
+next turn) sees them before the replica's digest does. Balance comes from
 the queue: a hot prefix spills to a second replica when the work queued ahead of its holder costs more than the
 prefill its checkpoint saves. Scores within one block's prefill time of the best tie; ties go to the replica
 with fewer of the recent decisions, then the lower id.
@@ -67,7 +68,8 @@ class Candidate:
     queued: int = 0  # prefill tokens waiting there
     decoding: int = 0  # sequences decoding there
     resume: int = 0  # tokens a hit recomputes (the dasc-wr replay window)
-    tail: int = 0  # tokens before a branch point where the engine stores its branch checkpoint (recompute tail)
+    tail: int = 0  # tokens before a branch point or prompt end where the engine stores its checkpoint (nr tail)
+    prompt_ends: bool = True  # whether it stores every prompt's end (admission "always"), or only seen ones
     token_s: float | None = None  # measured step cost per token; None: RouterKnobs.token_s
     fixed_s: float | None = None  # measured step cost whatever its tokens
     step_tokens: int | None = None  # the replica's token budget per step
@@ -83,11 +85,25 @@ class Prediction:
     score: float
     kv: int = 0  # prompt tokens held as KV there (block-aligned)
 
-    def branch(self, c: "Candidate", block: int) -> int:
-        """Blocks of the prefix whose branch checkpoint this request would have the replica store (0: none): the
-        KV it shares beyond the checkpoint, less the recompute tail, whole blocks."""
-        blocks = max(0, self.kv - c.tail) // block
-        return blocks if blocks * block > self.checkpointed else 0
+
+
+def expected_marks(c: Candidate, chain: list[int], tokens: list[int] | int, p: Prediction,
+                   block: int) -> list[tuple[int, int, int]]:
+    """The checkpoints this request will have replica `c` store, as marks (`checkpoint_mark`), given its
+    prediction `p` there: the branch checkpoint where it leaves the KV shared beyond its checkpoint (whole blocks,
+    `c.tail` tokens early), and with the prompt's ids, its prompt end (`c.tail` tokens early, where a repeat or the
+    conversation's next turn resumes) when the replica admits prompt ends and it lies beyond the branch."""
+    out, below = [], p.checkpointed
+    blocks = max(0, p.kv - c.tail) // block
+    if blocks * block > p.checkpointed:
+        out.append((chain[blocks - 1], 0, tail_hash(chain[blocks - 1], [])))
+        below = blocks * block
+    if c.prompt_ends and not isinstance(tokens, int):
+        at = len(tokens) - 1 - c.tail
+        k = min(at // block, len(chain))
+        if k and at > below:
+            out.append((chain[k - 1], at - k * block, tail_hash(chain[k - 1], tokens[k * block : at])))
+    return out
 
 
 def checkpointed(marks: dict, chain: list[int], tokens: list[int] | None, block: int) -> int:
@@ -159,8 +175,8 @@ class RouterMemory:
       (inclusive), so requests sharing a new prefix stick to one replica until its digest shows the prefix; and
       it is dropped earlier when a digest first seen more than `settle_s` after t does not hold it (the replica
       evicted it, or its codec changed and dropped its checkpoints);
-    - per replica, the checkpoints it expects a sent request to cut (`routed(branch=...)`): a mark at the end of
-      that many blocks of the chain, held until a stats version first seen more than `settle_s` after the send
+    - per replica, the checkpoints it expects a sent request to store (`routed(marks=...)`, `expected_marks`),
+      held until a stats version first seen more than `settle_s` after the send
       (which shows the real mark, or shows that none was cut) or for remember_s;
     - per replica, the prefill tokens sent since its last stats version, of which the latest `queue_len` (the
       requests in flight there, when known, plus those routed but not yet `confirmed` as sent) are added to the
@@ -174,21 +190,21 @@ class RouterMemory:
         self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
         self._sent: dict[str, list[int]] = {}  # replica -> prefill tokens sent since its stats version
         self._unconfirmed: dict[str, int] = {}  # replica -> routed there, not yet seen sent (Ray counts it then)
-        self._expected: dict[str, dict[int, float]] = {}  # replica -> block hash of an expected mark -> when
+        self._expected: dict[str, dict[tuple, float]] = {}  # replica -> expected mark -> when
         # replica -> (stats version, when first seen, digest, marks)
         self._stats: dict[str, tuple[object, float, frozenset[int], dict]] = {}
 
-    def routed(self, replica_id: str, chain: list[int], tokens: int = 0, branch: int = 0,
+    def routed(self, replica_id: str, chain: list[int], tokens: int = 0, marks: list[tuple] = (),
                confirmed: bool = True) -> None:
         """One decision: the request with block hashes `chain`, predicted to prefill `tokens` there and to have the
-        replica checkpoint its first `branch` blocks (`Prediction.branch`; 0: none), went to `replica_id`.
+        replica store checkpoints at `marks` (`expected_marks`), went to `replica_id`.
         confirmed=False: decided, not yet sent (see `confirmed`)."""
         self._recent.append(replica_id)
         now = self.clock()
         self._routed.setdefault(replica_id, {}).update((h, now) for h in chain)
         self._sent.setdefault(replica_id, []).append(tokens)
-        if branch:
-            self._expected.setdefault(replica_id, {})[chain[branch - 1]] = now
+        if marks:
+            self._expected.setdefault(replica_id, {}).update((m, now) for m in marks)
         if not confirmed:
             self._unconfirmed[replica_id] = self._unconfirmed.get(replica_id, 0) + 1
 
@@ -232,12 +248,13 @@ class RouterMemory:
         marks = held[3]
         if self._expected.get(replica_id):
             marks = dict(marks)
-            for h in self._expected[replica_id]:
-                marks[h] = marks.get(h, ()) + ((0, tail_hash(h, [])),)
+            for h, r, tail in self._expected[replica_id]:
+                marks[h] = marks.get(h, ()) + ((r, tail),)
         return Candidate(
             replica_id, held[2] | frozenset(routed) if routed else held[2], marks,
             queued=int(stats.get("prefill_tokens", 0)) + sent, decoding=int(stats.get("decoding", 0)),
             resume=int(stats.get("resume_tokens", 0)), tail=int(stats.get("tail_tokens", 0)),
+            prompt_ends=bool(stats.get("prompt_ends", True)),
             token_s=stats.get("step_token_s"), fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
             queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
             recent=sum(1 for r in self._recent if r == replica_id))

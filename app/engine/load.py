@@ -53,6 +53,7 @@ def load_report(engine) -> dict:
         prefill += s.num_tokens - hit.checkpoint_len + (resume if hit.checkpoint_len else 0)
     decoding = sum(1 for s in sched.running if s.num_computed >= s.num_tokens - 1)
     fit = engine.telemetry.step_cost.fit()
-    return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume), "tail_tokens": cfg.tail,
+    return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume),
+            "tail_tokens": cfg.tail, "prompt_ends": cfg.admission == "always",
             "step_tokens": cfg.max_tokens_per_step, "step_fixed_s": None if fit is None else fit[0],
             "step_token_s": None if fit is None else fit[1]}

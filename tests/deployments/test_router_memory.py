@@ -3,7 +3,7 @@ digests (the prefixes and the prefill it sent there), and when it forgets."""
 
 from __future__ import annotations
 
-from app.cache.digest import block_hashes
+from app.cache.digest import block_hashes, checkpoint_mark
 from deployments.routing_policy import RouterKnobs, RouterMemory, predict, rank
 
 KNOBS = RouterKnobs(block_size=4, share_window=20)
@@ -119,18 +119,20 @@ def test_a_new_prefix_sticks_to_its_replica_until_remember_s_passes():
     assert route() == "b"  # forgotten: back to load, where b has the fewer recent decisions
 
 
-def test_a_request_that_will_cut_a_branch_checkpoint_shows_it_until_the_digest_can():
-    """Sent with `branch`, the request has the replica checkpoint its first blocks: the next request of that
-    prefix sees the mark at once, until a digest first seen settle_s after the send (which shows the real mark,
-    or that none was cut) takes over."""
+def test_the_checkpoints_a_sent_request_will_store_show_until_the_digest_can():
+    """Sent with the marks it will have the replica store (its branch, its prompt end), the request makes the
+    next request of that prefix, or the next turn of that conversation, see them at once, until a digest first
+    seen settle_s after the send (which shows the real marks, or that none were stored) takes over."""
     clock = _Clock()
     memory = RouterMemory(remember_s=30.0, share_window=8, settle_s=2.0, clock=clock)
-    memory.routed("a", CHAIN, 40, branch=6)
+    prompt = list(range(40))
+    memory.routed("a", CHAIN, 40, marks=[checkpoint_mark(prompt[:24], 4), checkpoint_mark(prompt[:39], 4)])
     c = memory.candidate("a", {"version": 1, "digest": []}, None)
-    assert predict(c, CHAIN, list(range(40)), KNOBS).checkpointed == 24
-    assert predict(memory.candidate("b", None, None), CHAIN, 40, KNOBS).checkpointed == 0
+    assert predict(c, CHAIN, prompt, KNOBS).checkpointed == 39
+    assert predict(c, CHAIN, prompt[:30] + [7] * 10, KNOBS).checkpointed == 24  # leaves it before the prompt end
+    assert predict(memory.candidate("b", None, None), CHAIN, prompt, KNOBS).checkpointed == 0
     clock.now += 1.0
-    assert predict(memory.candidate("a", {"version": 2, "digest": []}, None), CHAIN, 40, KNOBS).checkpointed == 24
+    assert predict(memory.candidate("a", {"version": 2, "digest": []}, None), CHAIN, prompt, KNOBS).checkpointed == 39
     clock.now += 2.0  # version 3 is first seen 3 s after the send: the digest decides
     assert memory.candidate("a", {"version": 3, "digest": CHAIN, "marks": []}, None).marks == {}
 

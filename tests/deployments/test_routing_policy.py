@@ -9,7 +9,7 @@ import random
 from dataclasses import replace
 
 from app.cache.digest import block_hashes, checkpoint_mark
-from deployments.routing_policy import Candidate, RouterKnobs, predict, rank
+from deployments.routing_policy import Candidate, RouterKnobs, expected_marks, predict, rank
 
 KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, token_s=1e-3, fixed_s=0.0, step_tokens=10_000)
 PROMPT = list(range(400))
@@ -128,15 +128,23 @@ def test_skewed_traffic_spreads_by_queued_work():
     assert marks["a"] == marks["b"] == _marks(hot)  # both hold the hot prefix now
 
 
-def test_the_branch_a_request_would_cut_is_its_kv_beyond_the_checkpoint_less_the_tail():
+def test_the_checkpoints_a_request_will_have_a_replica_store_are_its_branch_and_prompt_end():
+    """The branch where it leaves the KV shared beyond the checkpoint (whole blocks) and its prompt end, both `tail`
+    tokens early under an nr tail; a replica that admits only prompts seen before expects no prompt end."""
     c = Candidate("a", known=frozenset(CHAIN[:60]), marks=_marks(PROMPT[:40]))
     p = predict(c, CHAIN, PROMPT, KNOBS)
-    assert (p.checkpointed, p.kv) == (40, 240) and p.branch(c, 4) == 60
-    tailed = Candidate("a", known=frozenset(CHAIN[:60]), marks=_marks(PROMPT[:40]), tail=10)
-    assert predict(tailed, CHAIN, PROMPT, KNOBS).branch(tailed, 4) == 57  # (240 - 10) // 4 blocks
-    deep = Candidate("a", known=frozenset(CHAIN[:60]), marks=_marks(PROMPT[:240]))
-    assert predict(deep, CHAIN, PROMPT, KNOBS).branch(deep, 4) == 0  # the KV ends at the checkpoint: no branch
-    assert predict(Candidate("b"), CHAIN, PROMPT, KNOBS).branch(Candidate("b"), 4) == 0
+    assert (p.checkpointed, p.kv) == (40, 240)
+    want = [checkpoint_mark(PROMPT[:240], 4), checkpoint_mark(PROMPT[:399], 4)]
+    assert expected_marks(c, CHAIN, PROMPT, p, 4) == want
+    tailed = replace(c, tail=10)
+    assert expected_marks(tailed, CHAIN, PROMPT, predict(tailed, CHAIN, PROMPT, KNOBS), 4) == [
+        checkpoint_mark(PROMPT[:228], 4), checkpoint_mark(PROMPT[:389], 4)]  # (240 - 10) // 4 whole blocks
+    deep = replace(c, marks=_marks(PROMPT[:240]), prompt_ends=False)
+    assert expected_marks(deep, CHAIN, PROMPT, predict(deep, CHAIN, PROMPT, KNOBS), 4) == []  # KV ends at the mark
+    cold = Candidate("b")
+    assert expected_marks(cold, CHAIN, PROMPT, predict(cold, CHAIN, PROMPT, KNOBS), 4) == [
+        checkpoint_mark(PROMPT[:399], 4)]
+    assert expected_marks(cold, CHAIN, 400, predict(cold, CHAIN, 400, KNOBS), 4) == []  # no ids: no tail hash
 
 
 def test_a_replica_yet_to_measure_its_step_cost_is_priced_like_its_peers():
