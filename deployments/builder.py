@@ -98,6 +98,9 @@ class RouterArgs(_Strict):
     block_size: int = Field(16, description="tokens per hashed block in digests")
     affinity_credit: float = Field(0.5, ge=0, description="weight of KV held beyond a replica's checkpoint, in "
                                                           "prefill tokens (keeps a new prefix on one replica)")
+    work_weight: float = Field(4.0, ge=0, description="weight of the prefill a request adds to a replica, beyond "
+                               "its own wait (the work delays that replica's later requests too): favours hits over "
+                               "a shorter queue")
     remember_s: float = Field(30.0, gt=0, description="how long the router counts a prefix it sent as held there")
     settle_s: float = Field(2.0, ge=0, description="a sent prefix a later digest does not hold is forgotten after "
                                                    "this")
@@ -218,8 +221,8 @@ def build_app(args: dict) -> Application:
     controller = controller_config(cfg)
     router_kwargs = {}
     if cfg.router.kind == "prefix":
-        router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "affinity_credit", "remember_s",
-                                                             "settle_s")}
+        router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "affinity_credit", "work_weight",
+                                                             "remember_s", "settle_s")}
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests, health_check_period_s=cfg.health_check_period_s,

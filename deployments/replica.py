@@ -149,20 +149,11 @@ class EngineReplica:
         ttfts, self._ttfts = self._ttfts, []
         requests, self._requests = self._requests, 0
         peak, self._waiting_peak = self._waiting_peak, 0
-        prompt = snap["prompt_tokens"] - last["prompt_tokens"]
-        window = {
-            "replica": self.replica_id, "version": self._applied_version, "requests": requests,
-            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
-            "hit_rate": (snap["cached_tokens"] - last["cached_tokens"]) / prompt if prompt else 0.0,
-            "occupancy": snap["checkpoint_slots_used"] / max(snap["checkpoint_slots"], 1),
-            "evictions": snap["checkpoint_evictions"] - last["checkpoint_evictions"],
-            "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
-            # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
-            "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0),
-            # beyond the nr recompute tail, which a hit replays by design (interval checkpoints do not shorten it)
-            "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted") - self._tail()),
-            "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
-        }
+        window = {"replica": self.replica_id, "version": self._applied_version, "requests": requests,
+                  "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+                  **cache_window(snap, last, self._tail()),
+                  # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
+                  "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0)}
         # the flat fields, and the acceptance histogram's counts (/metrics' spec_decode_acceptance_length)
         flat = {k: v for k, v in snap.items() if not isinstance(v, dict) or k == "spec_accepted_per_verify"}
         running = self._setting()
@@ -171,6 +162,22 @@ class EngineReplica:
         if setting != running:
             await asyncio.to_thread(self.engine.call, lambda e: e.retune(**setting))
         self._applied_version = version
+
+
+def cache_window(snap: dict, last: dict, tail: int) -> dict:
+    """A telemetry window's cache fields from two engine snapshots (`Engine.snapshot`) a window apart: hit rate,
+    checkpoint occupancy, evictions, wr replay time, the compression ratio, and `replayed`: the tokens an admitted
+    request recomputed between its checkpoint and the end of its KV match, beyond the nr recompute `tail` (which
+    a hit replays by design, and which interval checkpoints would not shorten)."""
+    prompt = snap["prompt_tokens"] - last["prompt_tokens"]
+    return {
+        "hit_rate": (snap["cached_tokens"] - last["cached_tokens"]) / prompt if prompt else 0.0,
+        "occupancy": snap["checkpoint_slots_used"] / max(snap["checkpoint_slots"], 1),
+        "evictions": snap["checkpoint_evictions"] - last["checkpoint_evictions"],
+        "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
+        "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted") - tail),
+        "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
+    }
 
 
 def _per(snap: dict, last: dict, total: str, count: str) -> float:

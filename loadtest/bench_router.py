@@ -39,8 +39,13 @@ def app_args(arm: str, replicas: int, args) -> dict:
     return {"model": args.model, "replicas": 1 if single else replicas, "replica_cpus": 0.5,
             "engine": {"checkpoint_budget_mb": args.budget_mb * (replicas if single else 1)},
             "router": {"kind": "pow2" if single else arm, "stats_period_s": 1.0,
-                       **({"affinity_credit": args.affinity_credit} if arm == "prefix" else {})},
+                       **(ours_knobs(args) if arm == "prefix" else {})},
             "controller": {"enabled": False}}
+
+
+def ours_knobs(args) -> dict:
+    knobs = {"affinity_credit": args.affinity_credit, "work_weight": args.work_weight}
+    return {k: v for k, v in knobs.items() if v is not None}
 
 
 def run_seed(url: str, workload: str, seed: int, args) -> list[dict]:
@@ -98,7 +103,10 @@ def main(argv=None) -> None:
     p.add_argument("--phases", type=int, nargs="+", default=[24, 12, 6, 3], help="reuse: working set per phase")
     p.add_argument("--wide-replicas", type=int, default=4, help="few-shot again at this many replicas (0: skip)")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--affinity-credit", type=float, default=0.5, help="ours: RouterKnobs.affinity_credit")
+    p.add_argument("--affinity-credit", type=float, default=None, help="ours: RouterKnobs.affinity_credit (default: "
+                   "the router's)")
+    p.add_argument("--work-weight", type=float, default=None, help="ours: RouterKnobs.work_weight (default: the "
+                   "router's)")
     p.add_argument("--budget-mb", type=float, default=2.0, help="per replica: about 18 dense kda-tiny checkpoints")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

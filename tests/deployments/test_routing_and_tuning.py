@@ -128,3 +128,22 @@ def test_single_replica_compares_with_its_own_history():
     assert t.tick() == "trial nr-W16"
     t.report(_window("r0", 2, 0.10))
     assert t.tick() == "promote nr-W16"
+
+
+def test_a_codec_change_takes_every_mark_from_the_digest_and_leaves_the_kv():
+    """What a replica publishes right after the controller changes its setting: the old checkpoints are gone (one
+    pool never mixes layouts), so no mark promises a resume there; the KV stays, and so does the prefix's digest."""
+    from app.engine.config import EngineConfig
+    from app.engine.engine import Engine
+    from app.engine.request import SamplingParams
+    from tests.helpers import load_zoo
+
+    model, tok = load_zoo("kda-tiny")
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8))
+    prompt = tok.encode(open(__file__).read())[:200]
+    eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    digest, marks = prefix_digest(eng.cache.tree, 16)
+    assert digest[: len(prompt) // 16] == block_hashes(prompt, 16) and marks
+    eng.retune(w_max=16.0)
+    after, marks = prefix_digest(eng.cache.tree, 16)
+    assert marks == [] and set(block_hashes(prompt, 16)) <= set(after)

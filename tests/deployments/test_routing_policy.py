@@ -11,7 +11,7 @@ from dataclasses import replace
 from app.cache.digest import block_hashes, checkpoint_mark
 from deployments.routing_policy import Candidate, RouterKnobs, expected_marks, predict, rank
 
-KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, token_s=1e-3, fixed_s=0.0, step_tokens=10_000)
+KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, work_weight=4.0, token_s=1e-3, fixed_s=0.0, step_tokens=10_000)
 PROMPT = list(range(400))
 CHAIN = block_hashes(PROMPT, 4)  # 100 blocks
 
@@ -60,10 +60,14 @@ def test_a_checkpoint_between_block_ends_counts_only_if_the_prompt_reaches_it():
 
 
 def test_a_hot_prefix_stays_on_its_holder_until_the_queue_there_costs_more_than_it_saves():
-    """The checkpoint saves 360 of 400 tokens: the holder wins while the prefill queued there is less than the
-    other replica's queue plus 360 tokens; beyond that the prefix spills."""
+    """The checkpoint saves 360 of 400 tokens. Own TTFT alone (work_weight 0): the holder wins while the prefill
+    queued there is less than the other replica's queue plus 360 tokens. With work_weight w the prefill a request
+    adds counts w more times (it delays that replica's later requests): the holder wins up to (1 + w) x 360."""
     cold = Candidate("b", queued=0)
+    ttft_only = replace(KNOBS, work_weight=0.0)
     for queued, winner in ((0, "a"), (300, "a"), (350, "a"), (370, "b")):  # a: queued + 40, b: 400
+        assert rank([_holder("a", 90, queued=queued), cold], CHAIN, 400, ttft_only)[0] == [winner], queued
+    for queued, winner in ((370, "a"), (1400, "a"), (1800, "a"), (1830, "b")):  # a: queued + 5 x 40, b: 5 x 400
         assert rank([_holder("a", 90, queued=queued), cold], CHAIN, 400, KNOBS)[0] == [winner], queued
 
 
