@@ -239,12 +239,13 @@ class Scheduler:
                 first = (seq.num_computed // self.cfg.interval + 1) * self.cfg.interval
                 cuts.update({p: "interval" for p in range(first, prompt_end + 1, self.cfg.interval)})
             if match is not None:  # under a tail, `tail` tokens before the branch: where a later request loads
-                for pos in (match.fork_len - self.cfg.tail, match.kv_len - self.cfg.tail):
+                # (a match of the whole prompt branches at its end: `tail` before the prompt's last token, as below)
+                for pos in (match.fork_len - self.cfg.tail, min(match.kv_len, prompt_end) - self.cfg.tail):
                     if pos > 0 and seq.num_computed + self.cfg.checkpoint_min_gap <= pos <= prompt_end:
                         cuts[pos] = "branch"
             salt = seq.params.cache_salt
             at = prompt_end - self.cfg.tail  # where a repeat of this prompt can load it (see `_admit`)
-            below = max([seq.num_computed, *cuts])  # the checkpoint this prompt loaded or cuts last before its end
+            below = max([seq.num_computed, *(p for p in cuts if p <= at)])  # loaded, or cut last before `at`
             gap = self.cfg.checkpoint_min_gap if below else 0
             if at > below + max(0, gap - 1) and \
                     self.cache.admit_prompt_end(seq.prompt_ids[:at], salt):

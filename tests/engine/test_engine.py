@@ -106,6 +106,22 @@ def test_queries_on_a_shared_header_fill_no_slot_with_their_prompt_ends(zoo):
     assert [o.output_ids for o in outs[2:]] == [generate(model, header + q, 8) for q in queries[2:]]
 
 
+def test_a_prompt_whose_kv_outlived_its_checkpoint_gets_one_a_repeat_can_load(zoo):
+    """Under a recompute tail the branch checkpoint of a prompt the tree holds whole as KV (its checkpoint was
+    evicted, or dropped by a codec change) sits where its prompt-end one would: `tail` tokens before the last
+    token. Regression: it sat one token deeper, where no repeat may load it, and the prompt-end one was skipped as
+    a near copy of it, so after a W_max change a working set of repeated prompts never hit again."""
+    model, tok = zoo
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8, w_max=16.0))
+    prompt = tok.encode(open(__file__).read())[:400]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    eng.generate([prompt], one)  # tail 64: prompt end at 335, generation end at 400 (the whole prompt as KV)
+    eng.retune(w_max=64.0)  # drops the checkpoints, keeps the KV; tail 256
+    assert eng.generate([prompt], one)[0][0].cached_tokens == 0
+    again = eng.generate([prompt], one)[0][0]
+    assert again.cached_tokens == len(prompt) - 1 - eng.cfg.tail
+
+
 def test_interval_checkpoint_right_after_the_prompt_end_is_skipped(zoo):
     """A 128-token prompt with interval 128: the prompt-end checkpoint (127) makes the interval one (128)
     a near duplicate, skipped under the default gap and stored with gap 0; a later interval still stores."""
