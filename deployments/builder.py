@@ -115,6 +115,8 @@ class ControllerArgs(_Strict):
     warmup_windows: int = 1
     refill_windows: int = 3
     min_requests: int = 4
+    judge_requests: int = Field(16, ge=1, description="requests a trial and its control are judged on, at least "
+                                "(windows accumulate until then)")
     hysteresis: float = 0.05
     cooldown_windows: int = 10
     allowed: list[str] | None = Field(None, description="settings the controller may use (dense, nr-W16, wr-W512, "
@@ -204,6 +206,7 @@ def controller_config(cfg: ServeArgs) -> dict:
     knobs = {"max_w_nr": c.max_w_nr, "max_w_wr": c.max_w_wr, "interval": cfg.engine.interval,
              "trial_windows": c.trial_windows, "warmup_windows": c.warmup_windows,
              "refill_windows": c.refill_windows, "min_requests": c.min_requests,
+             "judge_requests": c.judge_requests,
              "hysteresis": c.hysteresis,
              "cooldown_windows": c.cooldown_windows, "max_running": cfg.engine.max_running}
     allowance = _allowance(cfg)

@@ -13,10 +13,13 @@ checkpoint occupancy, evictions and wr replay time.
   checkpoint cache (a layout change drops the old checkpoints), so those windows measure refilling, not the
   setting (the control's windows of that period are skipped too). Warm-up goes on, for at most
   `refill_windows` more windows, while the trial replica's hit rate is still below its own before the trial.
-- After `trial_windows` further windows with at least `min_requests` requests each, the trial replica's mean TTFT is
-  compared with the control's over the same windows (with a single replica: with its own windows just before
-  the trial). It is promoted to every replica only if it wins by more than `hysteresis`; otherwise it is
-  rejected and not retried for `cooldown_windows` windows (hysteresis both ways: no flapping).
+- After `trial_windows` further windows with at least `min_requests` requests each, and at least
+  `judge_requests` requests in all (windows accumulate until then, for at most `max_trial_windows`: a window of a
+  few long chat turns says little), the trial replica's mean TTFT, weighted by requests, is compared with the
+  control's over the same windows (with a single replica: with its own latest windows before the trial, as many
+  as hold `judge_requests`; a trial starts only once they do). It is promoted to every replica only if it wins by
+  more than `hysteresis`; otherwise it is rejected and not retried for `cooldown_windows` windows (hysteresis
+  both ways: no flapping).
 - When a compressed setting runs and dense checkpoints would fit (every replica's occupancy times its
   compression ratio at most `fit_occupancy`, no evictions), dense is tried the same way ("relax"); it is promoted
   unless it loses by more than `hysteresis` (at equal TTFT dense is preferred: its answers are the model's).
@@ -77,6 +80,8 @@ class TunerKnobs:
     max_running: int | None = None  # a window with more requests waiting than this is not judged
     fit_occupancy: float = 1.0  # dense would fit: occupancy x compression at most this on every replica
     replay_trigger: float = 64.0  # mean tokens replayed per request that starts an interval trial
+    judge_requests: int = 1  # requests a trial (and its control) is judged on, at least (the service: 16)
+    max_trial_windows: int = 12  # judged windows after which a trial is decided on what it has
     intervals: tuple[int, ...] = (32, 64, 128, 256)  # checkpoint intervals the controller may pick
 
     def permits(self, setting: Setting) -> bool:
@@ -121,8 +126,8 @@ class Window:
 class Trial:
     setting: Setting
     replica: str
-    ttft: list[float] = field(default_factory=list)
-    control: list[float] = field(default_factory=list)
+    ttft: list[tuple[float, int]] = field(default_factory=list)  # (window mean TTFT, its requests)
+    control: list[tuple[float, int]] = field(default_factory=list)
     ticks: int = 0  # windows closed since the trial started
     baseline_hit: float | None = None  # the trial replica's hit rate before the trial
     kind: str = "climb"  # climb (more compression), relax (less) or interval
@@ -174,7 +179,7 @@ class Tuner:
         if self.trial is not None:
             return self._judge(usable)
         for w in usable:
-            self.recent[w.replica] = (self.recent.get(w.replica, []) + [w])[-self.knobs.trial_windows:]
+            self.recent[w.replica] = self._latest(self.recent.get(w.replica, []) + [w])
         evidence = _evidence(windows)
         full = self.knobs.pressure_occupancy
         if any(w.evictions > 0 or (full is not None and w.occupancy >= full) for w in windows):
@@ -188,6 +193,15 @@ class Tuner:
                 return self._start_trial(self._cool(replace(self.current, interval=interval)), "interval", evidence)
         return None
 
+    def _latest(self, windows: list[Window]) -> list[Window]:
+        """The latest windows that hold `judge_requests` requests and number at least `trial_windows`."""
+        keep, total = 0, 0
+        for w in reversed(windows):
+            if keep >= self.knobs.trial_windows and total >= self.knobs.judge_requests:
+                break
+            keep, total = keep + 1, total + w.requests
+        return windows[len(windows) - keep:]
+
     def _overloaded(self, w: Window) -> bool:
         """The replica queued more than max_running requests or rejected some: no window of this tick is judged
         (trial and control alike), since their TTFTs measure the overload, not the settings."""
@@ -198,6 +212,8 @@ class Tuner:
             return None
         replica = sorted(self.replicas)[0]
         before = self.recent.get(replica)
+        if len(self.replicas) == 1 and sum(w.requests for w in before or ()) < self.knobs.judge_requests:
+            return None  # its own windows are the control: wait until they hold enough requests
         self.trial = Trial(setting, replica, baseline_hit=statistics.fmean(w.hit_rate for w in before)
                            if before else None, kind=kind, evidence=evidence)
         self.version += 1
@@ -226,17 +242,19 @@ class Tuner:
         if refilling and not t.ttft and t.ticks <= self.knobs.warmup_windows + self.knobs.refill_windows:
             return None
         for w in usable:
-            (t.ttft if w.replica == t.replica else t.control).append(w.ttft_mean_s)
-        if len(t.ttft) < self.knobs.trial_windows:
+            (t.ttft if w.replica == t.replica else t.control).append((w.ttft_mean_s, w.requests))
+        enough = len(t.ttft) >= self.knobs.trial_windows and sum(n for _, n in t.ttft) >= self.knobs.judge_requests
+        if not enough and len(t.ttft) < self.knobs.max_trial_windows:
             return None
-        control = t.control or [w.ttft_mean_s for w in self.recent.get(t.replica, [])]
+        control = t.control or [(w.ttft_mean_s, w.requests) for w in self.recent.get(t.replica, [])]
         self.trial = None
         self.version += 1
         # a climb or an interval must win by the margin; a relax (less compression) must not lose by more than it
         margin = 1 + self.knobs.hysteresis if t.kind == "relax" else 1 - self.knobs.hysteresis
-        judged = {"kind": t.kind, "trial_ttft": statistics.fmean(t.ttft),
-                  "control_ttft": statistics.fmean(control) if control else None}
-        if control and statistics.fmean(t.ttft) < statistics.fmean(control) * margin:
+        trial_ttft, control_ttft = _weighted(t.ttft), _weighted(control)
+        judged = {"kind": t.kind, "trial_ttft": trial_ttft, "control_ttft": control_ttft,
+                  "trial_requests": sum(n for _, n in t.ttft), "control_requests": sum(n for _, n in control)}
+        if control_ttft is not None and trial_ttft < control_ttft * margin:
             self.current = t.setting
             self.recent = {}
             return self._log("promote", t.setting, **judged)
@@ -275,6 +293,12 @@ def replay(tuner: Tuner, history: list[dict]) -> list[str]:
         else:
             tuner.report(Window(**event))
     return out
+
+
+def _weighted(pairs: list[tuple[float, int]]) -> float | None:
+    """Mean TTFT over (window mean, requests) pairs, weighted by requests; None without any."""
+    total = sum(n for _, n in pairs)
+    return sum(t * n for t, n in pairs) / total if total else None
 
 
 def _evidence(windows: list[Window]) -> dict:

@@ -13,7 +13,7 @@ The tuning controller against static settings in three situations, 1 replica of 
   for interval checkpoints: started without them, it should pick an interval.
 
 Each arm runs the same rounds (each round new prompts of the same shape for chat, the same prompts reshuffled
-otherwise); the last `--measure` rounds are measured (the controller has had the earlier ones to tune). The
+otherwise); the last few rounds are measured (`ROUNDS`; the controller has had the earlier ones to tune). The
 controller may use what the model's measured allowance permits (allowance.json). Reported per situation: hit
 rate, mean and p90 TTFT of each arm, the controller's final setting and decisions, and its mean TTFT against the
 best static setting's and against its start setting's.
@@ -34,6 +34,9 @@ from loadtest.sections import publish
 from loadtest.serve_harness import cluster, deployed, prefix_prompts, summarise
 from loadtest.workloads import chat, chat_openers, drive
 
+# name: (rounds, of which the last are measured); fits' rounds are short (6 prompts), so it runs more of them for
+# the controller to finish its trial in
+ROUNDS = {"overflow": (16, 4), "fits": (96, 16), "chat": (8, 4)}
 SITUATIONS = {
     # name: (static settings, the controller's start setting)
     "overflow": ([{}, {"w_max": 16}, {"w_max": 64}, {"w_max": 128}, {"w_max": 512, "policy": "wr"}], {}),
@@ -63,14 +66,14 @@ def run(url: str, situation: str, arm: str, engine: dict, controller: bool, args
                       **engine},
            "controller": {"enabled": controller, "window_s": args.window_s, "trial_windows": 1, "min_requests": 2,
                           "max_w_nr": 128, "max_w_wr": 512}}
-    rounds = args.chat_rounds if situation == "chat" else args.rounds
+    rounds, measure = (max(1, round(n * args.scale)) for n in ROUNDS[situation])
     measured, state, history, actor = [], None, None, None
     with deployed(url, app):
         t_start = time.perf_counter()
         for r in range(rounds):
             t0 = time.perf_counter()
             results = one_round(url, situation, r, args)
-            if r >= rounds - args.measure:
+            if r >= rounds - measure:
                 measured.append((results, time.perf_counter() - t0))
         if controller:
             import ray
@@ -98,9 +101,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
     p.add_argument("--situations", nargs="+", default=list(SITUATIONS), choices=list(SITUATIONS))
-    p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--chat-rounds", type=int, default=8)
-    p.add_argument("--measure", type=int, default=4)
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every situation's rounds and measured rounds "
+                   "(ROUNDS)")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--answer-tokens", type=int, default=160)

@@ -132,6 +132,6 @@ def test_overloaded_windows_are_not_judged():
     lone = Tuner(TunerKnobs(trial_windows=1, warmup_windows=0, max_running=32, allowed=ANY))
     lone.assignment("r0")
     lone.report(Window("r0", 1, 10, 0.90, 0.5, 1.0, 3, waiting=40))  # overload: pressure, but no baseline
-    assert lone.tick() == "trial nr-W16" and lone.recent == {}
-    lone.report(Window("r0", 2, 10, 0.05, 0.5, 1.0, 3, waiting=32))  # exactly max_running waiting: judged
-    assert lone.tick() == "reject nr-W16"  # no baseline to win against
+    assert lone.tick() is None and lone.recent == {} and lone.trial is None  # its own windows are the control
+    lone.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, waiting=32))  # exactly max_running waiting: judged
+    assert lone.tick() == "trial nr-W16" and [w.ttft_mean_s for w in lone.recent["r0"]] == [0.30]

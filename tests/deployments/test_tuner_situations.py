@@ -96,3 +96,28 @@ def test_a_recorded_history_replays_to_the_same_decisions():
     live = Tuner(KNOBS)
     decisions = _run(live, windows)
     assert decisions and replay(Tuner(KNOBS), list(live.history)) == decisions
+
+
+def test_a_trial_is_judged_on_enough_requests_weighted_by_requests():
+    """Long chat turns: a window holds a few requests. With judge_requests 16 the trial waits until its windows
+    hold 16 requests, and one lucky window of 2 fast requests does not outweigh 14 slow ones; the single replica's
+    control is its own latest windows holding 16 requests, and no trial starts before it has them."""
+    knobs = TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=0, refill_windows=0, min_requests=1,
+                       judge_requests=16, hysteresis=0.05)
+    t = Tuner(knobs)
+    t.assignment("r0")
+    decisions = []
+    for ttft in (0.40, 0.20, 0.20, 0.20):  # windows of 4 requests; no trial before 16 requests of baseline
+        t.report(Window("r0", 1, 4, ttft, 0.5, 0.5, 0, replayed=200.0))
+        decisions.append(t.tick())
+    assert decisions == [None] * 3 + ["trial dense/I128"] and t.decisions[-1]["evidence"]["replayed"] == 200.0
+    v = t.assignment("r0")[0]
+    t.report(Window("r0", v, 2, 0.05, 0.9, 0.5, 0))
+    assert t.tick() is None  # 2 requests: not enough
+    for _ in range(2):
+        t.report(Window("r0", v, 7, 0.30, 0.9, 0.5, 0))
+        decision = t.tick()
+    assert decision == "reject dense/I128"  # (2 x 0.05 + 14 x 0.30) / 16 = 0.27 against the control's 0.25
+    judged = t.decisions[-1]
+    assert judged["trial_requests"] == 16 and judged["control_requests"] == 16
+    assert abs(judged["trial_ttft"] - 0.26875) < 1e-9 and abs(judged["control_ttft"] - 0.25) < 1e-9
