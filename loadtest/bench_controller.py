@@ -41,7 +41,8 @@ SITUATIONS = {
     # name: (static settings, the controller's start setting)
     "overflow": ([{}, {"w_max": 16}, {"w_max": 64}, {"w_max": 128}, {"w_max": 512, "policy": "wr"}], {}),
     "fits": ([{}, {"w_max": 16}, {"w_max": 64}], {"w_max": 64}),
-    "chat": ([{}, {"interval": 32}, {"interval": 64}, {"interval": 128}, {"interval": 256}], {}),
+    "chat": ([{}, {"interval": 32}, {"interval": 64}, {"interval": 128}, {"interval": 256},
+              {"w_max": 16, "interval": 64}], {}),
 }
 
 

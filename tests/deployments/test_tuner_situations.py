@@ -82,7 +82,8 @@ def test_long_replays_between_turns_pick_a_checkpoint_interval():
     t = Tuner(KNOBS)
     assert _run(t, windows) == ["trial dense/I128", "promote dense/I128"]
     assert t.current == Setting(None, "nr", 128) and t.decisions[0]["evidence"]["replayed"] == 250.0
-    assert TunerKnobs().interval_for(70) == 32 and TunerKnobs().interval_for(1000) == 256
+    assert TunerKnobs().interval_for(70) == 64 and TunerKnobs().interval_for(1000) == 256
+    assert TunerKnobs().interval_for(64) == 64 and TunerKnobs().interval_for(20) == 32
 
 
 def test_a_recorded_history_replays_to_the_same_decisions():
