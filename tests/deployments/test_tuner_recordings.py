@@ -1,0 +1,48 @@
+"""What live controllers did in bench_controller's three situations (tests/deployments/data/controller_recordings.json:
+each one's knobs, start setting, and every telemetry window and tick it received, in order) replays to the same
+decisions in a fresh tuner, and those decisions are the situations' expected outcomes: (a) a working set that does
+not fit dense moves to a compressed setting, (b) a compressed start returns to dense when dense fits, (c)
+conversations whose next turns replay long stretches get a checkpoint interval. Refresh the file from a new run's
+loadtest/results/bench_controller_cpu.json (`python -m tests.deployments.test_tuner_recordings`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deployments.tuner import Setting, Tuner, TunerKnobs, replay
+
+DATA = Path(__file__).parent / "data" / "controller_recordings.json"
+RESULTS = Path(__file__).parents[2] / "loadtest" / "results" / "bench_controller_cpu.json"
+
+
+def _tuner(recording: dict) -> Tuner:
+    knobs = {k: tuple(v) if isinstance(v, list) else v for k, v in recording["knobs"].items()}
+    initial = recording["initial"]
+    return Tuner(TunerKnobs(**knobs), Setting(**initial) if initial else None)
+
+
+@pytest.mark.parametrize("situation", ["overflow", "fits", "chat"])
+def test_a_recorded_controller_replays_to_its_decisions(situation):
+    recording = json.loads(DATA.read_text())[situation]
+    tuner = _tuner(recording)
+    assert replay(tuner, recording["history"]) == recording["decisions"]
+    if situation == "overflow":
+        assert tuner.current.w_max is not None  # (a) compressed
+    elif situation == "fits":
+        assert tuner.current.w_max is None  # (b) back to dense
+    else:
+        assert tuner.current.interval > 0  # (c) an interval
+
+
+def _refresh() -> None:
+    """Copy the controller arms' recordings out of the latest bench_controller results (kda-tiny's run)."""
+    rows = json.loads(RESULTS.read_text())["runs"]["kda-tiny"]["results"]["rows"]
+    out = {r["situation"]: {**r["recording"], "decisions": r["decisions"]} for r in rows if "recording" in r}
+    DATA.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    _refresh()
