@@ -316,11 +316,11 @@ def _wait_digests(url: str, replicas: set[str], since: float) -> None:
 
 def test_a_hot_prefix_stays_on_its_holder_until_queued_work_spills_it(server):
     """Sent one at a time (queues empty), requests sharing a prefix all go to the replica holding its checkpoint;
-    sixteen at once, each with a long tail of its own (about 1150 tokens against the prefix's 630), queue more
+    sixteen at once, each with a long tail of its own (about 1150 tokens against the prefix's 250), queue more
     prefill at the holder than (1 + work_weight) times what its checkpoint saves, and the router sends some to the
     other replica (there is no request-ratio cap: the balance is the queue's)."""
     c = _client(server)
-    hot = _prompt(20, 300)
+    hot = _prompt(20, 120)
     home = c.completions.create(model="kda-tiny", prompt=hot + "\nq = 0", max_tokens=1, temperature=0)
     _wait_digests(server, {home.system_fingerprint.removeprefix("dasc-")}, since=time.time())
     for i in range(4):

@@ -14,17 +14,30 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 def test_step_cost_fits_fixed_and_per_token_parts():
-    cost = StepCost()
+    cost = StepCost(min_tokens=1)
     assert cost.fit() is None
     for tokens in (1, 64, 4, 256, 16) * 8:
         cost.add(tokens, 0.004 + 2e-5 * tokens)
     fixed, per_token = cost.fit()
     assert abs(fixed - 0.004) < 1e-9 and abs(per_token - 2e-5) < 1e-12
-    flat = StepCost()
+    flat = StepCost(min_tokens=1)
     for _ in range(5):
         flat.add(8, 0.016)  # one size only: no slope to fit, the time is taken as per-token cost
     fixed, per_token = flat.fit()
     assert fixed == 0.0 and abs(per_token - 0.002) < 1e-12
+
+
+def test_decode_steps_stay_out_of_the_prefill_cost():
+    """Steps below min_tokens (decodes, 1 ms a token here) do not move the fit of prefill steps (20 us a token)."""
+    cost = StepCost()
+    for _ in range(50):
+        cost.add(8, 0.008)
+    assert cost.fit() is None
+    for tokens in (64, 256, 512) * 4:
+        cost.add(tokens, 0.004 + 2e-5 * tokens)
+        cost.add(4, 0.004)
+    fixed, per_token = cost.fit()
+    assert abs(fixed - 0.004) < 1e-9 and abs(per_token - 2e-5) < 1e-12
 
 
 def test_waiting_prefill_counts_from_the_checkpoint_each_request_would_resume_at():
