@@ -166,16 +166,20 @@ class EngineReplica:
 
 def cache_window(snap: dict, last: dict, tail: int) -> dict:
     """A telemetry window's cache fields from two engine snapshots (`Engine.snapshot`) a window apart: hit rate,
-    checkpoint occupancy, evictions, wr replay time, the compression ratio, and `replayed`: the tokens an admitted
-    request recomputed between its checkpoint and the end of its KV match, beyond the nr recompute `tail` (which
-    a hit replays by design, and which interval checkpoints would not shorten)."""
+    checkpoint occupancy, evictions, wr replay time, the compression ratio; `lost`: the share of admitted requests
+    that resumed behind a checkpoint evicted for room (cache pressure that costs something: evicting what nobody
+    asks for again costs nothing); and `replayed`: the tokens an admitted request recomputed between its
+    checkpoint and the end of its KV match, less those an evicted checkpoint would have saved and less the nr
+    recompute `tail` (which a hit replays by design): what interval checkpoints would shorten."""
     prompt = snap["prompt_tokens"] - last["prompt_tokens"]
     return {
         "hit_rate": (snap["cached_tokens"] - last["cached_tokens"]) / prompt if prompt else 0.0,
         "occupancy": snap["checkpoint_slots_used"] / max(snap["checkpoint_slots"], 1),
         "evictions": snap["checkpoint_evictions"] - last["checkpoint_evictions"],
         "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
-        "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted") - tail),
+        "lost": _per(snap, last, "sequences_lost", "sequences_admitted"),
+        "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted")
+                        - _per(snap, last, "lost_tokens", "sequences_admitted") - tail),
         "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
     }
 

@@ -3,12 +3,14 @@
 Settings climb a ladder of compression: dense, then dasc-nr at each W_max up to the operator's nr cap,
 then dasc-wr above it up to the wr cap (answer quality cannot be measured live, so the operator bounds how
 aggressive each policy may be). Every window (window_s seconds) each replica reports TTFT, hit rate,
-checkpoint occupancy, evictions and wr replay time.
+checkpoint occupancy, evictions, the share of requests that resumed behind a checkpoint evicted for room (`lost`)
+and wr replay time.
 
-- Under cache pressure (evictions; or, if `pressure_occupancy` is set, occupancy at or above it) and with no
-  trial running,
-  the next rung above the current setting is tried on ONE replica (the trial replica) while the others keep
-  the current setting (the control).
+- Under cache pressure (at least `pressure_lost` of a replica's requests resumed behind an evicted checkpoint; or,
+  if `pressure_occupancy` is set, occupancy at or above it) and with no trial running, the next rung above the
+  current setting is tried on ONE replica (the trial replica) while the others keep the current setting (the
+  control). Evictions alone are not pressure: a pool that evicts only what nobody asks for again (finished
+  conversations) would gain nothing from holding more.
 - The first `warmup_windows` windows of a trial are not judged: a new W_max starts from an emptied
   checkpoint cache (a layout change drops the old checkpoints), so those windows measure refilling, not the
   setting (the control's windows of that period are skipped too). Warm-up goes on, for at most
@@ -73,7 +75,8 @@ class TunerKnobs:
     refill_windows: int = 3
     min_requests: int = 4
     hysteresis: float = 0.05
-    pressure_occupancy: float | None = None  # None: only evictions are pressure (a full pool may just fit)
+    pressure_lost: float = 0.1  # share of a window's requests resuming behind an evicted checkpoint: pressure
+    pressure_occupancy: float | None = None  # None: only lost hits are pressure (a full pool may just fit)
     cooldown_windows: int = 10
     allowed: tuple[str, ...] | None = None  # labels the allowance permits; None: none measured, only dense
     max_running: int | None = None  # a window with more requests waiting than this is not judged
@@ -122,6 +125,7 @@ class Window:
     waiting: int = 0  # requests queued in the replica's engine (the peak the replica saw in the window)
     rejected: int = 0  # requests the replica refused in the window (admission control)
     replayed: float = 0.0  # mean tokens per admitted request recomputed between its checkpoint and its KV match's end
+    lost: float = 0.0  # share of admitted requests that resumed behind a checkpoint evicted for room
     compression: float = 1.0  # dense checkpoint bytes over the running setting's
 
 
@@ -185,7 +189,8 @@ class Tuner:
             self.recent[w.replica] = self._latest(self.recent.get(w.replica, []) + [w])
         evidence = _evidence(windows)
         full = self.knobs.pressure_occupancy
-        if any(w.evictions > 0 or (full is not None and w.occupancy >= full) for w in windows):
+        if any(w.lost > 0 and w.lost >= self.knobs.pressure_lost or (full is not None and w.occupancy >= full)
+               for w in windows):
             return self._start_trial(self._next_rung(), "climb", evidence)
         if usable and self.current.w_max is not None and all(
                 w.evictions == 0 and w.occupancy * w.compression <= self.knobs.fit_occupancy for w in windows):
@@ -309,7 +314,7 @@ def _evidence(windows: list[Window]) -> dict:
     if not windows:
         return {}
     mean = {k: round(statistics.fmean(getattr(w, k) for w in windows), 4)
-            for k in ("occupancy", "compression", "replayed", "hit_rate")}
+            for k in ("occupancy", "compression", "replayed", "lost", "hit_rate")}
     return {**mean, "evictions": sum(w.evictions for w in windows), "windows": len(windows)}
 
 

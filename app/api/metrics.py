@@ -47,6 +47,7 @@ ENGINE_GAUGES = {
     "checkpoint_stores": "checkpoints stored so far",
     "checkpoint_loads": "checkpoints loaded (cache hits) so far",
     "replayed_tokens": "tokens recomputed from an earlier checkpoint so far",
+    "lost_tokens": "of them, tokens a checkpoint evicted for room would have saved",
     "wr_replay_tokens": "tokens replayed by dasc-wr refreshes so far",
     "running": "sequences running",
     "waiting": "sequences waiting",

@@ -40,6 +40,7 @@ class Node:
     lock: int = 0
     kv_access: int = 0  # refreshed along the path on every match and insert
     ckpt_access: int = 0  # refreshed only when this node's checkpoint is stored or used
+    evicted: bool = False  # its checkpoint was evicted for room (until one is stored here again)
     salt: str | None = None  # a root's cache salt (other nodes: None; their root tells)
 
 
@@ -50,7 +51,9 @@ class MatchResult(NamedTuple):
     request can share; fork_len: depth of the deepest fork on the matched path below the checkpoint (a node
     where earlier sequences already diverged, so this request is at least the third to share it) that holds
     no checkpoint and sits at most at `limit`, else 0: a prefix worth checkpointing again after its checkpoint
-    was evicted."""
+    was evicted; lost_len: depth of the deepest node on the matched path below the checkpoint and at most
+    `limit` whose checkpoint was evicted for room (`Node.evicted`), else 0: the request would have resumed there
+    had the pool kept it (what cache pressure costs, unlike a replay from where no checkpoint was ever cut)."""
 
     kv_len: int
     kv_node: Node | None
@@ -58,6 +61,7 @@ class MatchResult(NamedTuple):
     checkpoint_len: int
     kv_slots: torch.Tensor
     fork_len: int = 0
+    lost_len: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -109,7 +113,7 @@ class RadixTree:
         node, pos = self.roots.get(salt), 0
         if node is None:
             return MatchResult(0, None, None, 0, torch.zeros(0, dtype=torch.long))
-        best, best_len, fork = None, 0, 0
+        best, best_len, fork, lost = None, 0, 0, 0
         path_slots: list[torch.Tensor] = []
         best_slots = 0
         while pos < len(tokens):
@@ -124,8 +128,9 @@ class RadixTree:
             node, pos = child, pos + n
             if node.checkpoint is not None and node.depth <= limit:
                 best, best_len, best_slots = node, node.depth, len(path_slots)
-            elif len(node.children) >= 2 and node.depth <= limit:
-                fork = node.depth
+            elif node.depth <= limit:
+                fork = node.depth if len(node.children) >= 2 else fork
+                lost = node.depth if node.evicted else lost
         if touch:
             now = next(self._clock)
             walk = node
@@ -135,7 +140,8 @@ class RadixTree:
             if best is not None:
                 best.ckpt_access = now
         slots = torch.cat(path_slots[:best_slots]) if best_slots else torch.zeros(0, dtype=torch.long)
-        return MatchResult(pos, node, best, best_len, slots, fork if fork > best_len else 0)
+        return MatchResult(pos, node, best, best_len, slots, fork if fork > best_len else 0,
+                           lost if lost > best_len else 0)
 
     # ------------------------------------------------------------------ updates
     def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> InsertResult:
@@ -185,7 +191,7 @@ class RadixTree:
 
     def set_checkpoint(self, node: Node, slot: int) -> int | None:
         """Attach checkpoint `slot` at `node`'s end; returns the slot it replaces (to free), if any."""
-        old, node.checkpoint = node.checkpoint, slot
+        old, node.checkpoint, node.evicted = node.checkpoint, slot, False
         node.ckpt_access = next(self._clock)
         return old
 
@@ -230,8 +236,13 @@ class RadixTree:
         if not candidates:
             return None
         victim = select(candidates)
-        slot, victim.checkpoint = victim.checkpoint, None
+        slot, victim.checkpoint, victim.evicted = victim.checkpoint, None, True
         return slot
+
+    def drop_checkpoints(self) -> None:
+        """Forget every checkpoint (a new layout empties the pool), and which ones were evicted for room."""
+        for node in self.nodes():
+            node.checkpoint, node.evicted = None, False
 
     # ------------------------------------------------------------------ inspection
     def nodes(self):

@@ -74,8 +74,7 @@ class Engine:
         policy change included, keeps the checkpoints. Running sequences keep their active states."""
         new = replace(self.cfg, **changes)
         if new.checkpoint_settings != self.cfg.checkpoint_settings:
-            for node in self.cache.tree.nodes():
-                node.checkpoint = None
+            self.cache.tree.drop_checkpoints()
             self.worker.configure_checkpoints(new)
             self.cache.checkpoints = self._pool()
             self.cache.select = self._select(new)

@@ -140,6 +140,7 @@ class Sequence:
     num_computed: int = 0
     cached_len: int = 0  # prompt tokens served by the cache at (first) admission
     replayed: int = 0  # tokens recomputed although their KV was cached (replay from an earlier checkpoint)
+    lost: int = 0  # of them, those a checkpoint evicted for room would have saved (`MatchResult.lost_len`)
     state_slot: int | None = None
     kv_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     num_shared: int = 0

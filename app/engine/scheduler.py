@@ -175,6 +175,7 @@ class Scheduler:
         if not seq.admitted_once:
             seq.cached_len = min(seq.num_computed, seq.prompt_len)
             seq.replayed = max(0, min(match.kv_len, limit) - seq.num_computed) if match is not None else 0
+            seq.lost = max(0, match.lost_len - seq.num_computed) if match is not None else 0
             seq.admitted_once = True
         seq.cuts = self._plan_cuts(seq, match)
         seq.status = Status.RUNNING

@@ -31,6 +31,8 @@ class Telemetry:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.replayed_tokens = 0
+        self.lost_tokens = 0  # of them, those a checkpoint evicted for room would have saved
+        self.lost = 0  # sequences that resumed behind a checkpoint evicted for room
         self.output_tokens = 0
         self.finished = 0
         self.steps = 0
@@ -56,6 +58,8 @@ class Telemetry:
         self.prompt_tokens += seq.prompt_len
         self.cached_tokens += seq.cached_len
         self.replayed_tokens += seq.replayed
+        self.lost_tokens += seq.lost
+        self.lost += seq.lost > 0
         self.admitted += 1
         self.hits += seq.cached_len > 0
         self.compressed_hits += seq.compressed_hit
@@ -85,6 +89,8 @@ class Telemetry:
             "cached_tokens": self.cached_tokens,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "replayed_tokens": self.replayed_tokens,
+            "lost_tokens": self.lost_tokens,
+            "sequences_lost": self.lost,
             "output_tokens": self.output_tokens,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
             "ttft_p90_s": _quantile(ttfts, 0.9),

@@ -83,6 +83,32 @@ def test_match_reports_a_stateless_fork_below_the_checkpoint():
     tree.check_integrity()
 
 
+DEEPEST = lambda nodes: max(nodes, key=lambda n: n.depth)  # noqa: E731  (an eviction policy)
+
+
+def test_match_reports_where_a_checkpoint_evicted_for_room_would_have_resumed():
+    """A checkpoint evicted by policy leaves its node marked: a lookup through it, deeper than the checkpoint it
+    loads and within the limit, reports lost_len (what the pool's pressure cost it). Storing one there again, or
+    a new layout (`drop_checkpoints`), clears the mark; a never-checkpointed node is no loss."""
+    tree = RadixTree()
+    a = tree.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]))
+    low = tree.split_at([1, 2, 3, 4], 2)
+    tree.set_checkpoint(low, 7)
+    tree.set_checkpoint(a.node, 8)
+    assert tree.evict_checkpoint(DEEPEST) == 8 and a.node.evicted  # the deeper one goes
+    m = tree.match([1, 2, 3, 4, 5])
+    assert (m.checkpoint_len, m.lost_len) == (2, 4)
+    assert tree.match([1, 2, 3, 4, 5], limit=3).lost_len == 0  # past the limit: not a loss
+    assert tree.match([1, 2, 3, 9]).lost_len == 0  # leaves the path before it
+    tree.set_checkpoint(a.node, 9)
+    assert not a.node.evicted and tree.match([1, 2, 3, 4, 5]).lost_len == 0
+    tree.evict_checkpoint(DEEPEST)
+    tree.drop_checkpoints()
+    assert tree.match([1, 2, 3, 4, 5]).lost_len == 0
+    assert tree.num_checkpoints() == 0
+    tree.check_integrity()
+
+
 def test_match_limit_is_inclusive():
     """A checkpoint, or a stateless fork, exactly at `limit` is usable; one token past it is not."""
     tree = RadixTree()

@@ -28,3 +28,25 @@ def test_replayed_counts_only_what_a_hit_recomputes_beyond_the_nr_tail():
     longer = prompt + tok.encode(" and then some more text that runs past the stored prompt end")
     eng.generate([longer], ONE)  # past the prompt end: the KV match ends a token after it (the first answer's)
     assert cache_window(eng.snapshot(), after, tail)["replayed"] == 1.0
+
+
+def test_lost_counts_requests_resuming_behind_an_eviction_and_replayed_leaves_their_tokens_out():
+    """Two checkpoint slots: new prompts evict each other's checkpoints (evictions, but nobody lost anything: no
+    request asked for an evicted one); a repeat of the first prompt then resumes from scratch although its KV is
+    cached and its checkpoint once was: lost 1.0, and those tokens are not the replay an interval would shorten."""
+    model, tok = load_zoo("kda-tiny")
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=2))
+    text = tok.encode(open(__file__).read())
+    first, others = text[:200], [[7] + text[200:400], [9] + text[400:600]]
+    eng.generate([first], ONE)
+    start = eng.snapshot()
+    for prompt in others:
+        eng.generate([prompt], ONE)
+    fresh = eng.snapshot()
+    window = cache_window(fresh, start, 0)
+    assert window["evictions"] > 0 and window["lost"] == 0.0
+    eng.generate([first], ONE)
+    after = eng.snapshot()
+    window = cache_window(after, fresh, 0)
+    assert window["lost"] == 1.0 and window["hit_rate"] == 0.0
+    assert after["replayed_tokens"] - fresh["replayed_tokens"] >= 150 and window["replayed"] < 8

@@ -38,7 +38,7 @@ def test_block_hashes_chain_and_digest_of_kv_and_checkpoints():
 
 
 def _window(replica, version, ttft, evictions=3, requests=10, occupancy=1.0):
-    return Window(replica, version, requests, ttft, 0.5, occupancy, evictions)
+    return Window(replica, version, requests, ttft, 0.5, occupancy, evictions, lost=0.5 if evictions else 0.0)
 
 
 def test_tuner_trials_under_pressure_and_promotes_a_winner():
@@ -102,7 +102,7 @@ def test_trial_waits_while_its_hit_rate_is_refilling():
     either, for at most refill_windows; then the trial is judged whatever its hit rate."""
     t = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=2))
     t.assignment("r0")
-    t.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3))
+    t.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, lost=0.5))
     assert t.tick() == "trial nr-W16"
     t.report(Window("r0", 2, 10, 0.90, 0.0, 0.3, 0))  # warm-up
     assert t.tick() is None
@@ -112,12 +112,12 @@ def test_trial_waits_while_its_hit_rate_is_refilling():
     assert t.tick() == "promote nr-W16"
     slow = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=1))
     slow.assignment("r0")
-    slow.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3))
+    slow.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, lost=0.5))
     slow.tick()
     for _ in range(2):
-        slow.report(Window("r0", 2, 10, 0.60, 0.1, 1.0, 3))
+        slow.report(Window("r0", 2, 10, 0.60, 0.1, 1.0, 3, lost=0.5))
         assert slow.tick() is None
-    slow.report(Window("r0", 2, 10, 0.60, 0.1, 1.0, 3))  # refill allowance spent: judged, and it loses
+    slow.report(Window("r0", 2, 10, 0.60, 0.1, 1.0, 3, lost=0.5))  # refill allowance spent: judged, and it loses
     assert slow.tick() == "reject nr-W16"
 
 

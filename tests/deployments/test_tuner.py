@@ -18,7 +18,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "config.yaml"
 
 
 def _window(replica: str, version: int, ttft: float | None, requests: int = 10, evictions: int = 3) -> Window:
-    return Window(replica, version, requests, ttft, 0.5, 1.0 if evictions else 0.1, evictions)
+    return Window(replica, version, requests, ttft, 0.5, 1.0 if evictions else 0.1, evictions,
+                  lost=0.5 if evictions else 0.0)
 
 
 def _trial_against(trial_ttft: float, control_ttft: float, hysteresis: float) -> str | None:
@@ -123,15 +124,15 @@ def test_overloaded_windows_are_not_judged():
         t.assignment("r0"), t.assignment("r1")
         t.report(_window("r0", 1, 0.20))
         assert t.tick() == "trial nr-W16"
-        t.report(Window("r0", 2, 10, 0.05, 0.5, 1.0, 3))  # the trial looks fast while the control is swamped
-        t.report(Window("r1", 2, 10, 0.90, 0.5, 1.0, 3, **overload))
+        t.report(Window("r0", 2, 10, 0.05, 0.5, 1.0, 3, lost=0.5))  # the trial looks fast while the control is swamped
+        t.report(Window("r1", 2, 10, 0.90, 0.5, 1.0, 3, lost=0.5, **overload))
         assert t.tick() is None and t.trial is not None and t.state()["overloaded_windows"] == 1
         t.report(_window("r0", 2, 0.21))
         t.report(_window("r1", 2, 0.20))
         assert t.tick() == "reject nr-W16"
     lone = Tuner(TunerKnobs(trial_windows=1, warmup_windows=0, max_running=32, allowed=ANY))
     lone.assignment("r0")
-    lone.report(Window("r0", 1, 10, 0.90, 0.5, 1.0, 3, waiting=40))  # overload: pressure, but no baseline
+    lone.report(Window("r0", 1, 10, 0.90, 0.5, 1.0, 3, lost=0.5, waiting=40))  # overload: pressure, but no baseline
     assert lone.tick() is None and lone.recent == {} and lone.trial is None  # its own windows are the control
-    lone.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, waiting=32))  # exactly max_running waiting: judged
+    lone.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, lost=0.5, waiting=32))  # exactly max_running waiting: judged
     assert lone.tick() == "trial nr-W16" and [w.ttft_mean_s for w in lone.recent["r0"]] == [0.30]

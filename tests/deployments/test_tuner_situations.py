@@ -26,19 +26,21 @@ def _run(tuner: Tuner, windows) -> list[str]:
 
 
 def test_a_working_set_that_does_not_fit_dense_moves_to_a_compressed_setting():
-    """Dense evicts all the time (occupancy 1, evictions) and hits little; nr-W16 holds 3x the checkpoints, stops
-    evicting and is faster; W64 is no faster again (it is rejected and W16 stays)."""
+    """Dense evicts all the time (occupancy 1, evictions) and most requests resume behind an evicted checkpoint;
+    nr-W16 holds 3x the checkpoints, loses fewer and is faster; W64 is no faster again (it is rejected and W16
+    stays)."""
     def windows(version, replica, s: Setting) -> Window:
         if s.w_max is None:
-            return Window(replica, version, 20, 0.30, 0.3, 1.0, 5)
-        return Window(replica, version, 20, 0.18 if s.w_max == 16 else 0.19, 0.8, 0.97, 1, compression=3.0)
+            return Window(replica, version, 20, 0.30, 0.3, 1.0, 5, lost=0.6)
+        return Window(replica, version, 20, 0.18 if s.w_max == 16 else 0.19, 0.8, 0.97, 1, compression=3.0,
+                      lost=0.2)
 
     t = Tuner(KNOBS)
     decisions = _run(t, windows)
     assert decisions[:2] == ["trial nr-W16", "promote nr-W16"]
     assert "promote nr-W64" not in decisions and t.current == Setting(16, "nr")
     evidence = t.decisions[0]["evidence"]
-    assert evidence["evictions"] == 10 and evidence["occupancy"] == 1.0
+    assert evidence["evictions"] == 10 and evidence["occupancy"] == 1.0 and evidence["lost"] == 0.6
     assert t.decisions[1]["trial_ttft"] == 0.18 and t.decisions[1]["control_ttft"] == 0.30
 
 
@@ -86,13 +88,28 @@ def test_long_replays_between_turns_pick_a_checkpoint_interval():
     assert TunerKnobs().interval_for(64) == 64 and TunerKnobs().interval_for(20) == 32
 
 
+def test_evicting_what_nobody_asks_for_again_is_not_pressure():
+    """Chat: the full dense pool evicts finished conversations' checkpoints every window, but no request resumes
+    behind an evicted one (lost 0), while next turns replay ~80 tokens past their checkpoint. The tuner tries a
+    checkpoint interval, not more compression (bench_controller's chat situation climbed to nr-W16 first when
+    every eviction counted as pressure); a few lost requests (below `pressure_lost`) do not change that."""
+    def windows(version, replica, s: Setting) -> Window:
+        replayed, ttft = (10.0, 0.12) if s.interval else (80.0, 0.15)
+        return Window(replica, version, 20, ttft, 0.7, 1.0, 6, replayed=replayed, lost=0.05)
+
+    t = Tuner(KNOBS)
+    assert _run(t, windows) == ["trial dense/I64", "promote dense/I64"]
+    assert t.current == Setting(None, "nr", 64) and t.decisions[0]["evidence"]["evictions"] == 12
+
+
 def test_a_recorded_history_replays_to_the_same_decisions():
     """`replay` feeds a tuner's history (what bench_controller saves from a live controller) to a fresh one with the
     same knobs and start: the same decisions, in order."""
     def windows(version, replica, s: Setting) -> Window:
         if s.w_max is None:
-            return Window(replica, version, 20, 0.30, 0.3, 1.0, 5)
-        return Window(replica, version, 20, 0.18, 0.8, 0.9, 1 if s.w_max > 16 else 0, compression=3.0)
+            return Window(replica, version, 20, 0.30, 0.3, 1.0, 5, lost=0.5)
+        return Window(replica, version, 20, 0.18, 0.8, 0.9, 1 if s.w_max > 16 else 0, compression=3.0,
+                      lost=0.2 if s.w_max > 16 else 0.0)
 
     live = Tuner(KNOBS)
     decisions = _run(live, windows)
