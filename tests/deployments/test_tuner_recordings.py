@@ -34,7 +34,7 @@ def test_a_recorded_controller_replays_to_its_decisions(situation):
     elif situation == "fits":
         assert tuner.current.w_max is None  # (b) back to dense
     else:
-        assert tuner.current.interval > 0  # (c) an interval
+        assert tuner.current.interval > 0 and tuner.current.w_max is None  # (c) an interval, and no compression
 
 
 def _refresh() -> None:
