@@ -26,8 +26,9 @@ and wr replay time.
   compression ratio at most `fit_occupancy`, no evictions), dense is tried the same way ("relax"); it is promoted
   unless it loses by more than `hysteresis` (at equal TTFT dense is preferred: its answers are the model's).
 - When requests recompute many tokens between their checkpoint and the end of their KV match (`replayed`, mean
-  per request at or above `replay_trigger`: a conversation's next turn resumes far behind where the last answer
-  ended), the largest checkpoint interval at most that is tried ("interval"), judged like a climb.
+  per request over the replicas' latest windows holding `judge_requests` requests, at or above `replay_trigger`:
+  a conversation's next turn resumes far behind where the last answer ended), the largest checkpoint interval at
+  most that is tried ("interval"), judged like a climb.
 Every change bumps a version; replicas poll their assignment and apply it between engine steps. Each decision
 is logged with its evidence (the windows' means that started the trial; the TTFTs that judged it): /status.
 
@@ -195,10 +196,12 @@ class Tuner:
         if usable and self.current.w_max is not None and all(
                 w.evictions == 0 and w.occupancy * w.compression <= self.knobs.fit_occupancy for w in windows):
             return self._start_trial(self._cool(Setting(None, "nr", self.current.interval)), "relax", evidence)
-        if usable and statistics.fmean(w.replayed for w in usable) >= self.knobs.replay_trigger:
-            interval = self.knobs.interval_for(statistics.fmean(w.replayed for w in usable))
+        replayed = self._recent_replay()
+        if usable and replayed is not None and replayed >= self.knobs.replay_trigger:
+            interval = self.knobs.interval_for(replayed)
             if interval != self.current.interval:
-                return self._start_trial(self._cool(replace(self.current, interval=interval)), "interval", evidence)
+                return self._start_trial(self._cool(replace(self.current, interval=interval)), "interval",
+                                         {**evidence, "replayed_recent": round(replayed, 4)})
         return None
 
     def _latest(self, windows: list[Window]) -> list[Window]:
@@ -209,6 +212,15 @@ class Tuner:
                 break
             keep, total = keep + 1, total + w.requests
         return windows[len(windows) - keep:]
+
+    def _recent_replay(self) -> float | None:
+        """Mean tokens replayed per request over every replica's latest windows on the current setting (`recent`:
+        together at least `judge_requests` requests each), weighted by requests; None before any replica has that
+        many. One window of three long chat turns would pick an interval on noise."""
+        windows = [w for ws in self.recent.values() if sum(x.requests for x in ws) >= self.knobs.judge_requests
+                   for w in ws]
+        total = sum(w.requests for w in windows)
+        return sum(w.replayed * w.requests for w in windows) / total if total else None
 
     def _overloaded(self, w: Window) -> bool:
         """The replica queued more than max_running requests or rejected some: no window of this tick is judged

@@ -139,3 +139,19 @@ def test_a_trial_is_judged_on_enough_requests_weighted_by_requests():
     judged = t.decisions[-1]
     assert judged["trial_requests"] == 16 and judged["control_requests"] == 16
     assert abs(judged["trial_ttft"] - 0.26875) < 1e-9 and abs(judged["control_ttft"] - 0.25) < 1e-9
+
+
+def test_the_interval_follows_the_replay_of_enough_requests_not_of_one_window():
+    """A lone replica's chat windows of 4 requests replay 60, 70, 60 and then 157 tokens (three long turns in one
+    window): over its latest 16 requests the mean is 87, so I64 is tried, not the I128 the last window alone
+    would pick (bench_controller's chat run went I128 first, then I64)."""
+    knobs = TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=0, refill_windows=0, min_requests=1,
+                       judge_requests=16)
+    t = Tuner(knobs)
+    t.assignment("r0")
+    decisions = []
+    for replayed in (60.0, 70.0, 60.0, 157.0):
+        t.report(Window("r0", 1, 4, 0.2, 0.7, 1.0, 5, replayed=replayed))
+        decisions.append(t.tick())
+    assert decisions == [None] * 3 + ["trial dense/I64"]
+    assert t.decisions[-1]["evidence"]["replayed"] == 157.0 and t.decisions[-1]["evidence"]["replayed_recent"] == 86.75
