@@ -16,22 +16,29 @@ class StepCost:
     the whole time is taken as per-token cost. Steps of fewer than `min_tokens` tokens (decode steps) are left
     out: the fit predicts prefill, and a decode token, which attends over its whole context, costs several times a
     prefill token (measured: a replica that had mostly decoded fitted 1.1 ms a token against its peer's 0.18 ms,
-    and the router stopped sending it prefill)."""
+    and the router stopped sending it prefill). A replica's first `warmup` prefill steps are left out too (the
+    first pays for first-use allocations), and there is no fit before `min_steps` more (measured: a replica whose
+    one prefill step was its first fitted 0.9 ms a token against its peer's 0.15 ms, and a hot prefix's 16
+    concurrent requests all queued at the peer; without a fit the router prices a replica at its peers' cost)."""
 
-    def __init__(self, decay: float = 0.98, min_tokens: int = 64) -> None:
-        self.decay, self.min_tokens = decay, min_tokens
+    def __init__(self, decay: float = 0.98, min_tokens: int = 64, warmup: int = 1, min_steps: int = 4) -> None:
+        self.decay, self.min_tokens, self.warmup, self.min_steps = decay, min_tokens, warmup, min_steps
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.seen = 0  # prefill steps seen, the warm-up ones included
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens < self.min_tokens:
+            return
+        self.seen += 1
+        if self.seen <= self.warmup:
             return
         d = self.decay
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + tokens, d * self.sy + seconds
         self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
 
     def fit(self) -> tuple[float, float] | None:
-        """(fixed_s, token_s), both >= 0; None before the first step."""
-        if self.w <= 0 or self.sx <= 0:
+        """(fixed_s, token_s), both >= 0; None before `min_steps` steps beyond the warm-up."""
+        if self.seen < self.warmup + self.min_steps or self.w <= 0 or self.sx <= 0:
             return None
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx

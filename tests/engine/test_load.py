@@ -40,6 +40,20 @@ def test_decode_steps_stay_out_of_the_prefill_cost():
     assert abs(fixed - 0.004) < 1e-9 and abs(per_token - 2e-5) < 1e-12
 
 
+def test_a_replicas_first_prefill_steps_do_not_make_its_cost():
+    """A cold first prefill step (100 tokens in 90 ms, 6x the warm cost) is left out, and there is no fit before
+    4 warm steps: a replica that has prefilled once is priced at its peers' cost by the router, not at 0.9 ms a
+    token (the serve test of a hot prefix sent 16 requests to the peer on such a fit)."""
+    cost = StepCost()
+    cost.add(100, 0.090)
+    for tokens in (128, 256, 64):
+        cost.add(tokens, 0.004 + 1.5e-4 * tokens)
+        assert cost.fit() is None
+    cost.add(512, 0.004 + 1.5e-4 * 512)
+    fixed, per_token = cost.fit()
+    assert abs(fixed - 0.004) < 1e-9 and abs(per_token - 1.5e-4) < 1e-12
+
+
 def test_waiting_prefill_counts_from_the_checkpoint_each_request_would_resume_at():
     model, tok = load_zoo("kda-tiny")
     prompt = tok.encode("def add(a, b):\n    return a + b\n" * 12)
@@ -56,6 +70,10 @@ def test_waiting_prefill_counts_from_the_checkpoint_each_request_would_resume_at
         assert ckpt > 0 and (resume > 0) == (knobs.get("policy") == "wr")
         assert report["prefill_tokens"] == (len(longer) - ckpt + resume) + len(fresh), knobs
         assert report["decoding"] == 0
-        assert report["step_token_s"] > 0 and report["step_fixed_s"] >= 0  # fitted to the steps `generate` ran
+        assert report["step_token_s"] is None  # one prefill step, the warm-up: no cost to publish yet
         engine.step()  # both prefill in one step and emit their first token: decoding, nothing left to prefill
         assert (load_report(engine)["decoding"], load_report(engine)["prefill_tokens"]) == (2, 0)
+    for i in range(4):  # four more prefill steps: fitted
+        engine.generate([tok.encode(f"v{i} = " + "1 + " * 40)], SamplingParams(max_tokens=1))
+    report = load_report(engine)
+    assert report["step_token_s"] > 0 and report["step_fixed_s"] >= 0
