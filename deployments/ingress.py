@@ -61,12 +61,12 @@ class RayBackend:
     def _hashes(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         return block_hashes(prompt_ids, self.digest_block, salt=params.cache_salt)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; `deadline` (absolute time.time()) goes to the engine."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, deadline: float | None = None,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; `deadline` (absolute time.time()) and `stream` go to the engine."""
         req = GenerateRequest(prompt_ids, params, prompt=self.tokenizer.decode(prompt_ids),
-                              hashes=self._hashes(prompt_ids, params), deadline=deadline)
-        meter, streamed, retried = self.metrics.meter(params.n), False, False
+                              hashes=self._hashes(prompt_ids, params), deadline=deadline, stream=stream)
+        meter, streamed, retried = self.metrics.meter(params.n, stream), False, False
         _own_routing_id()
         while True:
             response, finished = self.handle.generate.remote(req), False

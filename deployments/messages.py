@@ -17,3 +17,4 @@ class GenerateRequest:
     hashes: list[int] = field(default_factory=list)  # block hashes (salted by params.cache_salt), from the ingress
     deadline: float | None = None  # absolute time.time() after which the engine gives the request up
     avoid: str | None = None  # a retry's: the replica (id) that failed it, which our router then skips
+    stream: bool = True  # False: each sequence's first output, then the rest merged into one (AsyncEngine.generate)

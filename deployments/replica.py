@@ -63,7 +63,7 @@ class EngineReplica:
         start, first = time.perf_counter(), True
         try:
             async for out in self.engine.generate(request.prompt_ids, request.params, request.request_id,
-                                                  deadline=request.deadline):
+                                                  deadline=request.deadline, stream=request.stream):
                 if first:
                     self._ttfts.append(time.perf_counter() - start)
                     first = False

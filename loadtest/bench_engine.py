@@ -44,6 +44,7 @@ from app.models.loader import cast_model, load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from app.training.corpus import read_source, split_files, stdlib_files
 from loadtest.common import median, start_run, table, timed
+from loadtest.engine_host import PROMPT, bench_host, bench_serving
 from loadtest.sections import publish
 
 
@@ -69,7 +70,9 @@ CPU = Place()
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SAMPLED = dict(temperature=0.7, top_p=0.9)  # the decode_sampled section's settings, ours and generate's
-SECTIONS = {"ttft": "TTFT", "decode": "decode, greedy", "decode_sampled": "decode, sampled", "mixed": "mixed batch"}
+SECTIONS = {"ttft": "TTFT", "decode": "decode, greedy", "decode_sampled": "decode, sampled", "mixed": "mixed batch",
+            "host": "host work per sequence", "serving": "serving path per token"}
+SERVING_ARMS = ("local", "local-stream", "ray")
 
 
 def corpus_ids(tok: Tokenizer, n: int) -> list[int]:
@@ -271,10 +274,11 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--decode-graphs", action="store_true", help="engines replay decode steps from CUDA graphs")
     p.add_argument("--compile-decode", action="store_true",
-                   help="engines run decode steps through torch.compile (decode and mixed sections; the decode "
+                   help="engines run compiled decode steps (decode, mixed, host and serving sections; the decode "
                         "sections also time eager engines)")
-    p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed"],
-                   choices=["ttft", "decode", "decode_sampled", "mixed"])
+    p.add_argument("--sections", nargs="+", default=["ttft", "decode", "mixed", "host"], choices=list(SECTIONS))
+    p.add_argument("--host-batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--serving-arms", nargs="+", default=list(SERVING_ARMS), choices=SERVING_ARMS)
     p.add_argument("--out", default=None, help="replace this run's blocks in this markdown file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -296,8 +300,12 @@ def main(argv=None) -> None:
                                 engines=engines) if "decode_sampled" in args.sections else []
     mixed = bench_mixed(model, tok, ref, args.repeats, place=place, engines=engines) \
         if "mixed" in args.sections else None
+    source = corpus_ids(tok, PROMPT * max(args.host_batches + [2]))
+    host = bench_host(model, tok, source, args.host_batches, args.repeats, place) if "host" in args.sections else []
+    serving = [bench_serving(args.model, model, tok, source, args.repeats, place, args.serving_arms)] \
+        if "serving" in args.sections else []
     results = {"ttft": ttft_rows, "decode": decode_rows, "decode_sampled": sampled_rows,
-               "mixed": [mixed] if mixed else []}
+               "mixed": [mixed] if mixed else [], "host": host, "serving": serving}
     options = [(tag, words) for tag, words, on in [(args.dtype, args.dtype, args.dtype != "float32"),
                                                    ("graphs", "decode graphs", args.decode_graphs),
                                                    ("compiled", "compiled decode", args.compile_decode)] if on]
@@ -314,6 +322,10 @@ def _markdown(section: str, rows: list[dict], args) -> str:
         return _ttft_markdown(rows, args)
     if section == "mixed":
         return _mixed_markdown(rows[0], args)
+    if section == "host":
+        return _host_markdown(rows, args)
+    if section == "serving":
+        return _serving_markdown(rows[0], args)
     return _decode_markdown(rows, section == "decode_sampled", args)
 
 
@@ -327,6 +339,25 @@ def _ttft_markdown(rows: list[dict], args) -> str:
         [[r["prompt_len"], r["cold_ms"], r["hf_generate_ms"], r["hit_end_ms"], r["hit_end_cached"],
           r["hit_end_floor_ms"], r["hit_end_over_floor"], r["hit_replay_ms"], r["hit_replay_cached"],
           r["hit_replay_floor_ms"], r["hit_replay_over_floor"]] for r in rows])
+
+
+def _host_markdown(rows: list[dict], args) -> str:
+    legend = ("Host work per sequence per step, prefix cache on (loadtest/engine_host.py): *engine step* and "
+              "*model-only step* (the worker's %s decode step rerun on the engine's last inputs) in ms, medians of "
+              "%d repeats of 32 steps; *host*: median of the repeats' (engine step - model-only step) / batch.\n\n"
+              % ("compiled" if args.compile_decode else "eager padded", args.repeats))
+    return legend + table(["batch", "engine step ms", "model-only ms", "host us/seq", "tok/s", "history bucket"],
+                          [[r["batch"], r["step_ms"], r["model_ms"], r["host_us_per_seq"], r["tok_s"],
+                            r["history_bucket"]] for r in rows])
+
+
+def _serving_markdown(m: dict, args) -> str:
+    legend = ("One 128-token answer to a 64-token prompt at one stream, ms per token (prefill included; medians of "
+              "%d; loadtest/engine_host.py): in the engine, through `app.api.local` (not streamed, streamed) and "
+              "through the Ray service (one replica); *over engine*: the serving path's cost per token.\n\n"
+              % args.repeats)
+    rows = [[arm, m[arm], m[arm] - m["engine"]] for arm in ("engine", *SERVING_ARMS) if arm in m]
+    return legend + table(["path", "ms/token", "over engine ms/token"], rows)
 
 
 def _mixed_markdown(m: dict, args) -> str:

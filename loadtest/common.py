@@ -62,6 +62,25 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "the server",
+                 poll_s: float = 0.1) -> None:
+    """Return once `url`/health answers 200; raise RuntimeError if `proc` exits first, TimeoutError after
+    `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before /health answered")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s ({what})")
+
+
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)

@@ -1,5 +1,9 @@
 """A `Backend` over one in-process engine: `python -m app.api.local --model kda-tiny --port 8000` serves the
-OpenAI API without Ray (handy for development; the product runs through `deployments/`)."""
+OpenAI API without Ray (handy for development; the product runs through `deployments/`).
+
+Its engine runs with compiled decode steps (`compile_decode`, as configs/config.yaml ships it): the first start on
+a machine compiles one package per batch bucket into the compile cache (minutes on two cores), later starts load
+them (seconds). `--engine '{"compile_decode": false}'` starts at once with eager steps."""
 
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 
 
+# where this server's engine differs from EngineConfig's defaults (which tests and embedders get): as shipped in
+# configs/config.yaml
+SERVER_DEFAULTS = {"compile_decode": True}
+
+
 class LocalBackend:
     def __init__(self, engine: Engine | Callable[[], Engine], health_timeout_s: float = 10.0,
                  model_name: str = LOCAL) -> None:
@@ -33,10 +42,10 @@ class LocalBackend:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.engine.validate(prompt_ids, params)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        meter = self.metrics.meter(params.n)
-        async for out in self.engine.generate(prompt_ids, params, deadline=deadline):
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, deadline: float | None = None,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+        meter = self.metrics.meter(params.n, stream)
+        async for out in self.engine.generate(prompt_ids, params, deadline=deadline, stream=stream):
             meter.observe(out)
             yield out
 
@@ -63,12 +72,13 @@ def main(argv=None) -> None:
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin")
     p.add_argument("--engine", type=json.loads, default={}, metavar="JSON",
                    help='engine knobs as a JSON object, as under `engine:` in configs/config.yaml, e.g. '
-                        '\'{"w_max": 16, "policy": "wr"}\' (app/engine/config.py)')
+                        '\'{"w_max": 16, "policy": "wr"}\' (app/engine/config.py), over this server\'s defaults '
+                        f'{json.dumps(SERVER_DEFAULTS)}')
     args = p.parse_args(argv)
     model_dir = resolve_model_dir(args.model)
     served = args.served_model_name or args.model
     try:
-        config = EngineConfig(**args.engine)
+        config = EngineConfig(**{**SERVER_DEFAULTS, **args.engine})
     except (TypeError, ValueError) as e:  # an unknown knob, a bad value
         p.error(f"--engine: {e}")
     backend = LocalBackend(lambda: Engine(load_model(model_dir), Tokenizer.from_dir(model_dir), config),

@@ -106,9 +106,9 @@ class ApiMetrics:
                                                        buckets=ACCEPTED_BUCKETS, registry=r)
         self._totals: dict[str, dict] = {}  # per replica ever seen: its last snapshot running totals
 
-    def meter(self, n: int) -> GenerationMeter:
-        """A meter for one generation of `n` sequences, started now."""
-        return GenerationMeter(self, n)
+    def meter(self, n: int, stream: bool = True) -> GenerationMeter:
+        """A meter for one generation of `n` sequences, started now (`stream`: see `GenerationMeter`)."""
+        return GenerationMeter(self, n, stream)
 
     def render(self, snapshots: dict[str, dict], controller: dict | None = None) -> str:
         """The registry as Prometheus text, with the engine metrics set from `snapshots` (the replicas alive now,
@@ -169,10 +169,12 @@ class GenerationMeter:
     inter-token latency (the gap since that sequence's previous output: one per engine step, as vLLM observes
     it); each sequence's final output adds its generated tokens and its finish reason; the last one the e2e
     latency and the prompt's tokens (once per prompt, as `usage.prompt_tokens` counts them). A generation that
-    never finishes (aborted, failed) counts its TTFT and gaps only."""
+    never finishes (aborted, failed) counts its TTFT and gaps only. A generation that is not streamed gets each
+    sequence's later outputs merged into one (`AsyncEngine.generate`): its gap is spread evenly over its tokens,
+    one observation per token."""
 
-    def __init__(self, metrics: ApiMetrics, n: int) -> None:
-        self.metrics, self.open = metrics, n
+    def __init__(self, metrics: ApiMetrics, n: int, stream: bool = True) -> None:
+        self.metrics, self.open, self.stream = metrics, n, stream
         self.start = time.perf_counter()
         self._last: dict[int, float] = {}  # sequence index -> when its latest tokens came
         self._first = True
@@ -186,9 +188,11 @@ class GenerationMeter:
             self._first = False
         if out.new_token_ids:
             if out.index in self._last:
-                gap = now - self._last[out.index]
-                m.inter_token_latency.labels(*labels).observe(gap)
-                m.time_per_output_token.labels(*labels).observe(gap)
+                k = 1 if self.stream else len(out.new_token_ids)
+                gap = (now - self._last[out.index]) / k
+                for _ in range(k):
+                    m.inter_token_latency.labels(*labels).observe(gap)
+                    m.time_per_output_token.labels(*labels).observe(gap)
             self._last[out.index] = now
         if out.finished:
             m.generation_tokens.labels(*labels).inc(len(out.output_ids))

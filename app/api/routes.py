@@ -52,10 +52,11 @@ class Backend(Protocol):
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot be served (context length, ...)."""
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                 deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs. `deadline` (time.time()): a request not started by then fails with
-        QueueTimeout. Closing the iterator early aborts the request. Raises ValueError for bad input and the
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *, deadline: float | None = None,
+                 stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (`stream` False: each sequence's first output, then the rest merged into
+        one at its end; see `AsyncEngine.generate`). `deadline` (time.time()): a request not started by then fails
+        with QueueTimeout. Closing the iterator early aborts the request. Raises ValueError for bad input and the
         types of app/engine/errors.py when the engine cannot serve it."""
 
     async def health(self) -> None:
@@ -244,7 +245,7 @@ def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, s
            stream: bool) -> Outputs:
     """Start every prompt's generation; a stream's outputs go through the bounded buffer."""
     deadline = time.time() + settings.queue_timeout_s
-    return Outputs([backend.generate(p, params, deadline=deadline) for p in prompts],
+    return Outputs([backend.generate(p, params, deadline=deadline, stream=stream) for p in prompts],
                    settings.max_buffered_chunks if stream else None)
 
 

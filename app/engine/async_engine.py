@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from app.engine.engine import Engine
 from app.engine.errors import EngineError, EngineUnavailable, Overloaded, QueueTimeout
 from app.engine.request import RequestOutput, SamplingParams
-from app.engine.streams import Stream
+from app.engine.streams import Stream, post_all
 
 
 class AsyncEngine:
@@ -68,8 +68,9 @@ class AsyncEngine:
             raise failed[0]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs until every sequence of the request finished. Raises ValueError on bad input,
+                       deadline: float | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream outputs until every sequence of the request finished; with `stream` False, each sequence's
+        first output and then the rest merged into one (`Stream.merge`). Raises ValueError on bad input,
         Overloaded when `max_waiting` requests wait to start already, EngineUnavailable when the engine is shut
         down, draining or broken, QueueTimeout when `deadline` (a `time.time()` value) passes before the request
         started, and OutputOverflow when the reader falls too far behind."""
@@ -77,7 +78,7 @@ class AsyncEngine:
         if deadline is not None and time.time() >= deadline:
             raise QueueTimeout("the request's queue deadline passed before it arrived")
         request_id = request_id or uuid.uuid4().hex
-        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline)
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline, merge=not stream)
         with self._cv:
             self._admit(request_id)
             self._streams[request_id] = stream
@@ -232,11 +233,21 @@ class AsyncEngine:
             self._waiting = len(unstarted) - len(expired)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand the step's outputs to their readers. A request whose reader fell too far behind or is gone is
-        aborted, and its stream unregistered (its reader, if any, holds it and meets the error)."""
+        """Hand the step's outputs to their readers, one wake-up of each reader's event loop per step. A request
+        whose reader fell too far behind or is gone is aborted, and its stream unregistered (its reader, if any,
+        holds it and meets the error)."""
         with self._cv:
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        cut = [o.request_id for s, o in targets if s is not None and not s.send(o, self.max_buffered_outputs)]
+        ready, cut = [], []
+        for s, o in targets:
+            if s is not None:
+                item = s.offer(o, self.max_buffered_outputs)
+                if item is False:
+                    cut.append(o.request_id)
+                elif item is not None:
+                    ready.append((s, item))
+        gone = post_all(ready)
+        cut += list(dict.fromkeys(o.request_id for s, o in ready if s in gone))
         if cut:
             with self._cv:
                 self._aborts += cut

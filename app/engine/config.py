@@ -45,9 +45,10 @@ class EngineConfig:
     Longer notes. checkpoint_budget_mb sizes the checkpoint pool by bytes (slots by Eq. 8) and must be >= 0
     unless checkpoint_slots is set. w_max None stores exact copies; a number stores dasc checkpoints keeping the
     units whose static horizon exceeds it. decode_graphs and compile_decode need one worker and no routed
-    experts; on the CPU the graph step runs eagerly (the tested twin, not faster), and the compiled step turns
-    the step's few hundred dispatched ops into a few fused C++ kernels and C++ GEMM kernels on frozen,
-    pre-packed weights, one copy per batch bucket (it needs a C++ compiler). checkpoint_min_gap skips a
+    experts; on the CPU the graph step runs eagerly (the padded step, as padded_decode runs it), and the compiled
+    step turns the step's few hundred dispatched ops into a few fused C++ kernels and C++ GEMM kernels on frozen,
+    pre-packed weights, one package per batch bucket, kept across starts in compile_cache_dir (it needs a C++
+    compiler). checkpoint_min_gap skips a
     branch-point, prompt-end, generation-end or decode-interval checkpoint that would nearly duplicate the
     sequence's last one; a later request replays those few tokens instead.
     """
@@ -86,9 +87,15 @@ class EngineConfig:
     device: str = knob("cpu", "cpu, cuda (TP rank r on the r-th visible GPU) or cuda:N (rank r on GPU N + r)",
                        pattern=r"cpu|cuda(:\d+)?")
     dtype: Dtype = knob("float32", "weights and KV (recurrent states and their checkpoints stay fp32)")
+    padded_decode: bool = knob(True, "pure decode steps run as the padded step of app/engine/graphs.py (one host-built "
+                                     "slot table per step) where it applies: one worker, no routed experts")
     decode_graphs: bool = knob(False, "replay pure decode steps from captured CUDA graphs (app/engine/graphs.py)")
-    compile_decode: bool = knob(False, "run pure decode steps through torch.compile, compiled when the worker "
-                                       "starts")
+    compile_decode: bool = knob(False, "compiled decode steps, one per batch bucket, made when the worker starts "
+                                       "(CPU: ahead-of-time packages kept in compile_cache_dir; GPU: torch.compile)")
+    compile_cache_dir: str | None = knob(None, "private directory (mode 0700) of the CPU's compiled decode packages "
+                                               "(unset: ~/.cache/dasc-serve/compiled)")
+    compile_cache_mb: float = knob(2048.0, "size cap of compile_cache_dir in MiB (least recently used packages "
+                                           "dropped first)", ge=0)
     spec: SpecMethod = knob("off", "speculative decoding: off, or ngram (prompt lookup: drafts from the sequence's "
                                    "own earlier tokens)", flag="--spec")
     spec_tokens: int = knob(4, "most draft tokens a sequence verifies per step (adaptive below it, 1..16)", ge=1,

@@ -1,9 +1,9 @@
 """The Engine facade: add requests, step, generate; it runs without Ray.
 
-One step = schedule -> run the model on every piece -> store checkpoints at cuts -> sample -> finish.
-Checkpoints are stored at prefill cuts (interval, branch, prompt end, fork), at aligned intervals during
-decode, and at the end of generation (so the next conversation turn hits). Storing one inserts the
-sequence's KV up to that position into the radix tree, so the checkpoint always has its KV.
+One step reads top to bottom in `_step`: the scheduler's pieces -> one forward (`step_inputs`) -> picks
+(greedy, processed, sampled; speculative verify pieces accepted and rolled back: app/engine/verify.py) -> each
+piece settled: its progress, the checkpoints it passed (app/engine/checkpoints.py), its token's output
+(app/engine/outputs.py), finishing.
 """
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ from app.cache.checkpoint import CheckpointCodec, CheckpointPool, DenseCodec
 from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
+from app.engine.checkpoints import Checkpointing
 from app.engine.config import EngineConfig
 from app.engine.grammar import JsonGrammars
 from app.engine.grammar import for_tokenizer as grammars_for
 from app.engine.logits import needs_processing
-from app.engine.picks import collect_prompt_logprobs, greedy_tokens, output_logprobs, processed, row_logprobs, sample
+from app.engine.outputs import Outputs
+from app.engine.picks import collect_prompt_logprobs, greedy_tokens, output_logprobs, processed, sample
 from app.engine.request import RequestOutput, SamplingParams, Sequence, Status
 from app.engine.scheduler import Scheduler, Work
-from app.engine.speculative import NgramDrafter, accept
-from app.engine.step_batch import StepBatch
+from app.engine.speculative import NgramDrafter
+from app.engine.step_batch import split_rows, step_inputs
 from app.engine.telemetry import Telemetry
+from app.engine.verify import merged, verify
 from app.engine.worker import Worker
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer
@@ -43,6 +46,8 @@ class Engine:
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg))
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
+        self.checkpoints = Checkpointing(cfg, self.cache, self.worker, self.scheduler)
+        self.outputs = Outputs(tokenizer)
         self.telemetry = Telemetry()
         self.max_model_len = cfg.max_model_len or _model_len(model)
         self._ids = itertools.count()
@@ -80,7 +85,7 @@ class Engine:
             self.cache.select = self._select(new)
         else:
             self.worker.set_policy(new.policy)
-        self.cfg = self.scheduler.cfg = new
+        self.cfg = self.scheduler.cfg = self.checkpoints.cfg = new
         self.cache.admission = new.admission
 
     # ------------------------------------------------------------------ requests
@@ -113,9 +118,11 @@ class Engine:
         if request_id in self._seqs:
             raise ValueError(f"duplicate request id {request_id}")
         seqs = [Sequence(request_id, i, list(prompt_ids), params) for i in range(params.n)]
+        greedy_only = params.temperature <= 0 and params.logprobs is None and not needs_processing(params)
         for seq in seqs:
             seq.generator = _generator(params.seed, seq.index)
             seq.fork_of = seqs[0] if seq.index > 0 else None
+            seq.greedy_only = greedy_only
         for seq in seqs:
             self.scheduler.add(seq)
         self._seqs[request_id] = seqs
@@ -163,6 +170,8 @@ class Engine:
             self.abort(request_id)
 
     def _step(self, works: list[Work]) -> list[RequestOutput]:
+        """schedule (done) -> forward -> picks (greedy, processed and sampled rows; verify pieces accepted and
+        rolled back) -> each piece settled: progress, checkpoints, its token's output, finishing."""
         loaded, self.scheduler.loaded = self.scheduler.loaded, []
         self._refresh_loaded([s for s in loaded if s.state_slot is not None])
         if not works:
@@ -172,26 +181,35 @@ class Engine:
                 self.telemetry.on_admit(w.seq)
                 w.seq.counted = True
         picked, raw = self.run_works(works)
-        guided = any(w.seq.params.guided_json is not None for w in works)
-        verified = self._verify([w for w in works if w.draft], picked, raw, guided)
-        plain = [w for w in works if not w.draft]
-        logits = processed(plain, raw, self.tokenizer.stop_token_ids, self.grammars if guided else None)
-        picked.update(greedy_tokens(plain, logits))
-        picked.update(sample([w.seq for w in plain if id(w.seq) in logits and id(w.seq) not in picked], logits))
-        logprobs = output_logprobs([w.seq for w in plain if id(w.seq) in picked and w.seq.params.logprobs is not None],
-                                   raw, picked)
+        drafts = [w for w in works if w.draft]
+        guided = self.grammars if any(w.seq.params.guided_json is not None for w in works) else None
+        verified = verify(drafts, picked, raw, self.outputs, self.worker, self.telemetry, guided) if drafts else {}
+        plain = [w for w in works if not w.draft] if drafts else works
+        logprobs = {}
+        if raw:
+            logits = processed(plain, raw, self.tokenizer.stop_token_ids, guided)
+            picked.update(greedy_tokens(plain, logits))
+            picked.update(sample([w.seq for w in plain if id(w.seq) in logits and id(w.seq) not in picked], logits))
+            logprobs = output_logprobs([w.seq for w in plain if id(w.seq) in picked
+                                        and w.seq.params.logprobs is not None], raw, picked)
         self.telemetry.steps += 1
         outputs = []
         for w in works:
             seq = w.seq
-            if w.draft:
-                outputs.append(self._settle_verified(w, *verified[id(seq)]))
+            if w.draft:  # KV of the rejected drafts back, the sequence as far as it emitted
+                outs = verified[id(seq)]
+                self.cache.free_kv(w.new_slots[len(outs):])
+                self._advance(seq, w.start, w.start + len(outs), w.new_slots[: len(outs)])
+                if outs[-1].finish_reason is not None:
+                    self._finish(seq, outs[-1].finish_reason, store=True)
+                outputs.append(merged(outs))
                 continue
-            seq.num_computed = w.end
-            seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots])
-            self._checkpoint_after(seq, w.start)
+            self._advance(seq, w.start, w.end, w.new_slots)
             if id(seq) in picked:
-                outputs.append(self._append_token(seq, picked[id(seq)], logprobs.get(id(seq))))
+                out, reason = self.outputs.append(seq, picked[id(seq)], logprobs.get(id(seq)))
+                if reason is not None:
+                    self._finish(seq, reason, store=True)
+                outputs.append(out)
             elif seq.params.max_tokens == 0 and seq.num_computed == seq.num_tokens:  # the prompt's logprobs only
                 self._finish(seq, "length", store=True)
                 outputs.append(RequestOutput(seq.request_id, seq.index, [], "", "", True, "length", seq.prompt_len,
@@ -199,92 +217,16 @@ class Engine:
                                              compressed_hit=seq.compressed_hit))
         return outputs
 
-    def _checkpoint_after(self, seq: Sequence, start: int) -> None:
-        """Store the checkpoints of the cuts this step passed: inside the piece from the worker's snapshots,
-        at its end from the state itself; and the last aligned decode interval the piece reached (a verify
-        piece can pass one inside: its state there comes from the piece's rollback record)."""
-        end = seq.num_computed
-        for pos in sorted(p for p in seq.cuts if start < p <= end):
-            kind, at = seq.cuts.pop(pos), None if pos == end else pos - start
-            self._store(seq, pos, kind, snapshot_at=at)
-            if kind == "fork":
-                self.scheduler.hold_fork(seq, pos, at)
-        if self.cfg.enable_cache and self.cfg.interval:
-            pos = end - end % self.cfg.interval
-            if (start < pos and pos >= seq.prompt_len and seq.num_shared < pos
-                    and not self._checkpoint_close_behind(seq, pos)):
-                self._store(seq, pos, "interval", snapshot_at=None if pos == end else pos - start)
-
-    def _store(self, seq: Sequence, pos: int, kind: str, snapshot_at: int | None = None) -> None:
-        """Insert the sequence's KV up to `pos` into the tree and store a checkpoint there: its current state,
-        or the state the last step captured `snapshot_at` tokens into its piece."""
-        res = self.cache.insert(seq.tokens[:pos], seq.kv_slots[:pos], seq.params.cache_salt)
-        self.cache.lock(res.node)
-        self.cache.unlock(seq.node)
-        seq.node, seq.num_shared = res.node, pos
-        seq.kv_slots = torch.cat([res.slots, seq.kv_slots[pos:]])
-        slot = seq.state_slot
-        if snapshot_at is None:
-            self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store(slot, ckpt), kind)
-        else:
-            self.cache.store_checkpoint(res.node, lambda ckpt: self.worker.store_snapshot(slot, snapshot_at, ckpt),
-                                        kind)
-
-    def _checkpoint_close_behind(self, seq: Sequence, pos: int | None = None) -> bool:
-        """Whether the sequence's deepest tree node holds a checkpoint fewer than `checkpoint_min_gap` tokens
-        behind its end: then a generation-end or decode-interval checkpoint would nearly duplicate it (a
-        one-token answer would store two almost equal states per request; a prompt ending just before an
-        interval position, two within one token) and a later request replays those few tokens instead."""
-        pos = seq.num_computed if pos is None else pos
-        return (seq.node is not None and seq.node.checkpoint is not None
-                and pos - seq.num_shared < self.cfg.checkpoint_min_gap)
-
-    def _append_token(self, seq: Sequence, token: int, logprobs=None, finish: bool = True) -> RequestOutput:
-        """Record a sampled token and decide whether the sequence is done. Text grows incrementally (the
-        token's bytes through the sequence's UTF-8 decoder), so each token costs the same however long the
-        output already is; stop strings are searched only where a new match can start."""
-        now = time.perf_counter()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            seq.decoder = self.tokenizer.incremental_decoder()
-        seq.output_ids.append(token)
-        p = seq.params
-        reason = None
-        stops = p.stop_token_ids + (() if p.ignore_eos else self.tokenizer.stop_token_ids)
-        before = len(seq.decoded)
-        early = len(seq.output_ids) <= p.min_tokens  # min_tokens: no stop yet (the ids were masked too)
-        if token in stops and not early:
-            reason = "stop"
-        else:
-            seq.decoded += seq.decoder.push(token)
-        if reason is None and len(seq.output_ids) >= p.max_tokens:
-            reason = "length"
-        if reason is not None:
-            seq.decoded += seq.decoder.flush()
-        hits = [] if early else [i for s in p.stop if (i := seq.decoded.find(s, max(0, before - len(s) + 1))) >= 0]
-        if hits:
-            seq.decoded, reason = seq.decoded[: min(hits)], "stop"
-        text = seq.decoded
-        if reason is None:  # hold back what may still become a stop string
-            hold = max((len(s) - 1 for s in p.stop), default=0)
-            text = text[: len(text) - hold] if hold else text
-        delta = text[len(seq.text):] if len(text) > len(seq.text) else ""
-        seq.text += delta
-        if reason is not None and finish:  # (a verify piece finishes after its rollback: `_settle_verified`)
-            self._finish(seq, reason, store=True)
-        prompt_lps = None
-        if len(seq.output_ids) == 1 and seq.index == 0 and p.prompt_logprobs is not None:
-            prompt_lps = [None, *seq.prompt_lps]
-        return RequestOutput(seq.request_id, seq.index, [token], delta, seq.text, reason is not None, reason,
-                             seq.prompt_len, seq.cached_len, list(seq.output_ids) if reason else [],
-                             seq.first_token_time - seq.arrival, new_logprobs=None if logprobs is None else [logprobs],
-                             prompt_logprobs=prompt_lps, compressed_hit=seq.compressed_hit)
+    def _advance(self, seq: Sequence, start: int, end: int, slots: torch.Tensor) -> None:
+        """The sequence has computed tokens [start, end) into KV `slots`; store the checkpoints it passed."""
+        seq.num_computed = end
+        seq.kv_slots = torch.cat([seq.kv_slots, slots])
+        self.checkpoints.after_piece(seq, start)
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
         seq.finish_reason, seq.finish_time = reason, time.perf_counter()
-        if (store and self.cfg.enable_cache and self.cfg.store_generation_end and seq.status is Status.RUNNING
-                and seq.num_computed > seq.num_shared and not self._checkpoint_close_behind(seq)):
-            self._store(seq, seq.num_computed, "generation_end")
+        if store:
+            self.checkpoints.at_finish(seq)
         self.scheduler.release(seq)
         seq.status = Status.FINISHED
         if seq.admitted_once:
@@ -293,76 +235,13 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
 
     def run_works(self, works: list[Work]) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
-        """One forward for the step's pieces. For pieces that reach the end of their sequence's token stream:
-        greedy picks made beside the logits (unless `keep_logits`, or the request wants logprobs), and next-token
-        logits for the others, both keyed by id(seq)."""
-        want = [i for i, w in enumerate(works)
-                if (w.draft or w.end == w.seq.num_tokens) and w.seq.params.max_tokens > 0]
-        every = tuple(i for i, w in enumerate(works)
-                      if w.seq.params.prompt_logprobs is not None and w.start + 1 < w.seq.prompt_len)
-        greedy = tuple(works[i].seq.params.temperature <= 0 and works[i].seq.params.logprobs is None
-                       and not needs_processing(works[i].seq.params) and not self.keep_logits for i in want)
-        snaps = tuple(tuple(sorted(p - w.start for p in w.seq.cuts if w.start < p < w.end)) for w in works)
-        verify = tuple(i for i, w in enumerate(works) if w.draft)
-        batch = StepBatch([t for w in works for t in (w.seq.token_range(w.start, w.end) if not w.draft else
-                                                      w.seq.token_range(w.start, w.start + 1) + list(w.draft))],
-                          tuple(w.end - w.start for w in works), tuple(w.start for w in works),
-                          [w.seq.kv_slots for w in works], [w.new_slots for w in works],
-                          [w.seq.state_slot for w in works], want, snaps if any(snaps) else (), greedy, every,
-                          verify)
+        """One forward for the step's pieces (`step_inputs`): greedy picks and raw logits keyed by id(seq)
+        (`split_rows`); prompt logprobs collected on the way."""
+        batch = step_inputs(works, self.keep_logits)
         tokens, logits = self.worker.run(batch)
-        for i in every:
+        for i in batch.every_row:
             collect_prompt_logprobs(works[i], self.worker.piece_logits[i])
-        picked, raw, t, r = {}, {}, 0, 0
-        for i, g in zip(want, greedy):  # a verify piece's rows come back together: a list of picks, or [n, V]
-            seq, n = works[i].seq, (works[i].end - works[i].start if works[i].draft else 0)
-            if g:
-                picked[id(seq)] = tokens[t : t + n] if n else tokens[t]
-                t += max(n, 1)
-            else:
-                raw[id(seq)] = logits[r : r + n] if n else logits[r]
-                r += max(n, 1)
-        return picked, raw
-
-    def _verify(self, works: list[Work], picked: dict, raw: dict, guided: bool) -> dict[int, tuple]:
-        """The tokens each verify piece emits (its accepted drafts and one more: `speculative.accept`), appended
-        to its sequence with their logprobs, each sequence's finishing deferred; then every verify piece's state
-        rolled back to its last computed token in one worker call. -> id(seq): (outputs, emitted, reason)."""
-        done, keep = {}, {}
-        for w in works:
-            seq = w.seq
-            rows = picked.get(id(seq), raw.get(id(seq)))
-            tokens = accept(seq, w.draft, rows, self.tokenizer.stop_token_ids, self.grammars if guided else None)
-            self.telemetry.on_verify(len(w.draft), len(tokens) - 1)
-            NgramDrafter.record(seq, len(w.draft), len(tokens) - 1)
-            lps = None
-            if seq.params.logprobs is not None:
-                lps = row_logprobs(raw[id(seq)][: len(tokens)], tokens, seq.params.logprobs)
-            outs = []
-            for j, tok in enumerate(tokens):
-                outs.append(self._append_token(seq, tok, None if lps is None else lps[j], finish=False))
-                if outs[-1].finished:
-                    break
-            done[id(seq)] = outs
-            keep[seq.state_slot] = len(outs)  # the emitted tokens but the last are computed: x0 + accepted drafts
-        self.worker.rollback(keep)
-        return {k: (outs, len(outs), outs[-1].finish_reason) for k, outs in done.items()}
-
-    def _settle_verified(self, w: Work, outs: list[RequestOutput], emitted: int, reason: str | None) -> RequestOutput:
-        """A verify piece after its rollback: its first `emitted` KV slots stay and the rejected drafts' go back,
-        checkpoints it passed are stored, the sequence finishes if it ended; its outputs merge into one."""
-        seq = w.seq
-        self.cache.free_kv(w.new_slots[emitted:])
-        seq.num_computed = w.start + emitted
-        seq.kv_slots = torch.cat([seq.kv_slots, w.new_slots[:emitted]])
-        self._checkpoint_after(seq, w.start)
-        if reason is not None:
-            self._finish(seq, reason, store=True)
-        first, last = outs[0], outs[-1]
-        lps = [lp for o in outs for lp in (o.new_logprobs or ())]
-        return replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
-                       new_text="".join(o.new_text for o in outs), new_logprobs=lps or None,
-                       prompt_logprobs=first.prompt_logprobs, ttft_s=first.ttft_s)
+        return split_rows(works, batch, tokens, logits)
 
     def _refresh_loaded(self, seqs: list[Sequence]) -> None:
         """wr: refresh the omitted units of the checkpoints loaded this step, in one batched replay."""

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import types
 
 import numpy as np
 import torch
 
 from app.cache.pools import KVStorage, PagedKV, StateStorage, padded_rows
+from app.engine.aot import AotStep, ArtifactCache, CompileReport, artifact_key, build_package
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
 from app.models.layers import Experts
 
 MIN_HISTORY = 64
+# Inductor options of the CPU's packages (with `_cpu_gemm_settings`: frozen weights, C++ GEMM micro-kernels)
+CPU_OPTIONS = {"freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -65,6 +69,11 @@ def decode_step(model: HybridForCausalLM, kv: KVStorage, states: StateStorage, i
                         states.gather(state_slots))
     states.scatter(state_slots, new)
     return logits
+
+
+def _compile_error(e: Exception) -> RuntimeError:
+    return RuntimeError(f"compile_decode: compiling the decode step failed ({type(e).__name__}: {e}). On the CPU "
+                        "it needs a C++ compiler (g++); or set compile_decode to false")
 
 
 def _own_copy(fn):
@@ -110,10 +119,12 @@ def _cpu_gemm_settings(on: bool):
 
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, kv: KVStorage, states: StateStorage, scratch_state: int,
-                 scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False) -> None:
+                 scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False,
+                 cache_dir: str | None = None, cache_mb: float = 2048.0) -> None:
         """scratch_state is also the largest batch (max_running). capture: CUDA graphs where the device is a GPU;
-        compiled: steps through torch.compile, one per batch bucket, compiled here."""
-        if any(isinstance(m, Experts) for m in model.modules()):
+        compiled: one compiled step per batch bucket, made here: on the CPU an ahead-of-time package from the
+        cache at `cache_dir` (compiled into it when missing: app/engine/aot.py), on a GPU through torch.compile."""
+        if any(isinstance(m, Experts) for m in model.modules()):  # (padded_decode alone skips such models)
             raise ValueError("decode_graphs and compile_decode need a model without routed experts: their token "
                              "routing runs on the host (a device-to-host sync) and has data-dependent shapes")
         self.model, self.kv, self.states, self.device = model, kv, states, device
@@ -122,26 +133,27 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._buckets: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, DecodeInputs, torch.Tensor | None]] = {}
         self.replays = 0
+        self.last: tuple[int, int] | None = None  # the bucket of the last step
         self.step = decode_step
         self.compiled = compiled
-        if compiled:
+        self._packages: dict[int, AotStep] = {}  # CPU compiled steps by batch bucket
+        self.report = CompileReport() if compiled else None
+        if compiled and device.type == "cpu":
+            self._load_packages(bucket(scratch_state), cache_dir, cache_mb)
+        elif compiled:
             # one cache entry per batch bucket: more than the default 8 from max_running 256 up
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             if not self.capture:  # uncaptured steps call the generated code each time: a C++ wrapper, not Python
                 options["cpp_wrapper"] = True
-            cpu = device.type == "cpu"
-            if cpu:
-                options.update(max_autotune_gemm=True, max_autotune_gemm_backends="CPP,ATEN")
             # fullgraph: a graph break would leave part of the step to run eagerly, the gains gone silently
             self.step = torch.compile(_own_copy(decode_step), dynamic=False, fullgraph=True, options=options)
+            t0 = time.perf_counter()
             try:
-                with _cpu_gemm_settings(cpu):
-                    self._compile_buckets(bucket(scratch_state))
+                self._compile_buckets(bucket(scratch_state))
             except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
-                raise RuntimeError(f"compile_decode: torch.compile failed on the decode step ({type(e).__name__}: "
-                                   f"{e}). On the CPU it needs a C++ compiler (g++); or set compile_decode to "
-                                   "false") from e
+                raise _compile_error(e) from e
+            self.report.add(True, time.perf_counter() - t0)
 
     @staticmethod
     def handles(batch: StepBatch) -> bool:
@@ -150,8 +162,9 @@ class DecodeGraphs:
         return not batch.snapshots and all(e == 1 for e in batch.extend_lens) and len(batch.want_logits) == n
 
     def stats(self) -> dict:
-        return {"buckets": sorted(self._buckets), "steps": self.replays, "captured": self.capture,
-                "compiled": self.compiled}
+        out = {"buckets": sorted(self._buckets), "steps": self.replays, "captured": self.capture,
+               "compiled": self.compiled}
+        return out | (self.report.stats() if self.report else {})
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits [n, V] on the device for a step `handles` accepts (a graph's output: read them before the
@@ -161,14 +174,25 @@ class DecodeGraphs:
         if (b, s) not in self._buckets:
             self._buckets[(b, s)] = self._prepare(b, s)
         graph, inputs, out = self._buckets[(b, s)]
+        self.last = (b, s)
         inputs.fill(*self._host_inputs(batch, b, s))
         if graph is None:
-            out = self.step(self.model, self.kv, self.states, inputs)
+            out = self._packages.get(b, self.step)(self.model, self.kv, self.states, inputs)
         else:
             with torch.cuda.device(self.device):
                 graph.replay()
         self.replays += 1
         return out[:n]
+
+    def rerun_last(self) -> None:
+        """The last step's device work once more, on its inputs as they are (what bench_engine times as the
+        model-only step: no host work; it advances the states of the step's sequences again)."""
+        graph, inputs, _ = self._buckets[self.last]
+        if graph is None:
+            self._packages.get(self.last[0], self.step)(self.model, self.kv, self.states, inputs)
+        else:
+            with torch.cuda.device(self.device):
+                graph.replay()
 
     def _host_inputs(self, batch: StepBatch, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's head [4, b] and KV read table [b, s], built on the host in numpy (torch ops on this many tiny
@@ -191,6 +215,33 @@ class DecodeGraphs:
             entry = self._buckets[(1 << i, MIN_HISTORY)] = self._prepare(1 << i, MIN_HISTORY)
             if entry[0] is None:  # not captured, so not compiled yet
                 self.step(self.model, self.kv, self.states, entry[1])
+
+    @torch.no_grad()
+    def _load_packages(self, largest: int, cache_dir: str | None, cache_mb: float) -> None:
+        """The CPU's compiled steps: every batch bucket's package, from the cache or compiled into it. An eager
+        step first makes the stacked weights that the export bakes in."""
+        cache = ArtifactCache(cache_dir, cache_mb)
+        decode_step(self.model, self.kv, self.states,
+                    DecodeInputs(1, MIN_HISTORY, self.scratch_kv, self.scratch_state, self.device))
+        for i in range(largest.bit_length()):
+            b = 1 << i
+            inputs = DecodeInputs(b, MIN_HISTORY, self.scratch_kv, self.scratch_state, self.device)
+            key = artifact_key(self.model, b, CPU_OPTIONS)
+
+            def build(out, inputs=inputs):
+                with _cpu_gemm_settings(True):
+                    build_package(self.model, self.kv, self.states, inputs, decode_step, CPU_OPTIONS, out)
+
+            t0 = time.perf_counter()
+            try:
+                path, built = cache.get_or_build(key, build)
+                self._packages[b] = AotStep(path, self.kv, self.states)
+            except PermissionError:
+                raise
+            except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
+                raise _compile_error(e) from e
+            self.report.add(built, time.perf_counter() - t0)
+            self._buckets[(b, MIN_HISTORY)] = (None, inputs, None)
 
     def _prepare(self, b: int, s: int):
         """A bucket's input buffers (every slot the scratch ones, so warm-up steps touch nothing else) and, on a

@@ -162,6 +162,7 @@ class Sequence:
     prompt_lps: list = field(default_factory=list)
     grammar: GrammarState | None = None  # guided_json: made at the first constrained row, follows output_ids
     spec: object | None = None  # speculative decoding: its n-gram index and acceptance (app/engine/speculative.py)
+    greedy_only: bool = False  # its picks need nothing but the argmax of the raw logits (the engine sets it)
 
     @property
     def prompt_lp_upto(self) -> int:

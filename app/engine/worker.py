@@ -26,6 +26,7 @@ from app.engine.graphs import DecodeGraphs
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout, LinearStates, host_to_device
 from app.models.hybrid import HybridForCausalLM
+from app.models.layers import Experts
 from app.models.loader import cast_model
 
 
@@ -70,17 +71,19 @@ class Worker:
         self.spec_rollback = cfg.spec_rollback
 
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
-        fixed = cfg.decode_graphs or cfg.compile_decode  # the padded decode step of app/engine/graphs.py
-        scratch = 1 if fixed else 0  # one state slot and one KV slot past the allocators' for padding
+        fixed = cfg.decode_graphs or cfg.compile_decode  # asked for: refused where they cannot run
+        padded = fixed or (cfg.padded_decode and self.tp is None and not routed_experts(self.model))
+        scratch = 1 if padded else 0  # one state slot and one KV slot past the allocators' for padding
         self.kv = KVStorage(kv_widths(self.model), cfg.kv_slots + scratch, self.model.model.embed_tokens.weight.dtype,
                             self.device)
         self.states = StateStorage(self.model.empty_states(1), cfg.max_running + scratch)
         self.graphs = None
-        if fixed:
+        if padded:  # the padded decode step of app/engine/graphs.py
             if self.tp is not None:
                 raise ValueError("decode_graphs and compile_decode run with one worker (tp 1)")
             self.graphs = DecodeGraphs(self.model, self.kv, self.states, cfg.max_running, cfg.kv_slots, self.device,
-                                       capture=cfg.decode_graphs, compiled=cfg.compile_decode)
+                                       capture=cfg.decode_graphs, compiled=cfg.compile_decode,
+                                       cache_dir=cfg.compile_cache_dir, cache_mb=cfg.compile_cache_mb)
         self.configure_checkpoints(cfg, codec)
 
     # ------------------------------------------------------------------ checkpoint storage
@@ -244,6 +247,10 @@ def split_logits(logits: torch.Tensor, greedy: tuple[bool, ...]) -> tuple[list[i
     rest = [i for i, g in enumerate(greedy) if not g]
     tokens = logits[host_to_device(picks, logits.device)].argmax(-1).tolist()
     return tokens, logits[host_to_device(rest, logits.device)].float().cpu()
+
+
+def routed_experts(model: HybridForCausalLM) -> bool:
+    return any(isinstance(m, Experts) for m in model.modules())
 
 
 def kv_widths(model: HybridForCausalLM) -> dict[int, int]:

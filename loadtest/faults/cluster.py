@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from loadtest.common import wait_healthy
 from loadtest.faults.background import BackgroundLoad
 from loadtest.faults.client import Outcome, Target
 from loadtest.serve_harness import free_port, serve_app
@@ -293,7 +294,7 @@ def two_nodes(config: str | Path, overrides: dict, model: str):
                         "--address", f"http://127.0.0.1:{dashboard}"], check=True, timeout=120,
                        stdout=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
-        _wait_health(url, 180)
+        wait_healthy(url, 180, poll_s=1.0)
         yield Target(url, model, cluster=Cluster(cfg, worker))
     finally:
         try:
@@ -351,17 +352,6 @@ def _deploy_config(config: str | Path, args: dict, port: int) -> Path:
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
     return out
 
-
-def _wait_health(url: str, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{url}/health not 200 after {within_s:g} s")
 
 
 def _wait_port(port: int, within_s: float) -> None:

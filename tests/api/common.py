@@ -110,11 +110,11 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    async def generate(self, prompt_ids, params, *, deadline=None):
+    async def generate(self, prompt_ids, params, *, deadline=None, stream=True):
         self.calls.append((list(prompt_ids), params, deadline))
         if self.refuse is not None and self.refuse_after == 0:
             raise self.refuse
-        outputs = self._backend.generate(prompt_ids, params, deadline=deadline)
+        outputs = self._backend.generate(prompt_ids, params, deadline=deadline, stream=stream)
         sent = 0
         try:
             async for out in outputs:

@@ -51,3 +51,30 @@ def test_factory_error_reaches_the_constructor():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(make)
+
+
+def test_a_request_not_streamed_gets_its_first_output_then_the_rest_merged_into_one():
+    """stream=False: each sequence's first output when it is made, then one output at its end that joins every
+    later one: the tokens, text and logprobs of a streamed run of the same request, in two hand-overs."""
+    model, tok = load_zoo("kda-tiny")
+    prompt = tok.encode("def merge(a, b):")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1)
+    engine = AsyncEngine(Engine(model, tok, EngineConfig()))
+
+    async def run(stream: bool) -> list:
+        return [out async for out in engine.generate(prompt, params, stream=stream)]
+
+    try:
+        streamed, merged = asyncio.run(run(True)), asyncio.run(run(False))
+    finally:
+        engine.shutdown()
+    assert len(streamed) == 20 and len(merged) == 4
+    for index in (0, 1):
+        whole = [o for o in streamed if o.index == index]
+        first, rest = [o for o in merged if o.index == index]
+        assert first.new_token_ids == whole[0].new_token_ids and not first.finished
+        assert first.new_token_ids + rest.new_token_ids == [t for o in whole for t in o.new_token_ids]
+        assert first.new_text + rest.new_text == rest.text == whole[-1].text
+        assert first.new_logprobs + rest.new_logprobs == [lp for o in whole for lp in o.new_logprobs]
+        assert rest.finished and rest.output_ids == whole[-1].output_ids and rest.ttft_s == first.ttft_s
+    assert merged[0].prompt_logprobs == streamed[0].prompt_logprobs is not None

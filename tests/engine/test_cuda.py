@@ -79,7 +79,8 @@ def test_cuda_decode_graphs_match_eager_steps(name, compiled, no_tf32):
     outs, logits, engines = {}, {}, {}
     for graphs in (False, True):
         engine = engines[graphs] = Engine(load_model(name), tok, EngineConfig(
-            device="cuda", interval=32, max_running=6, decode_graphs=graphs, compile_decode=graphs and compiled))
+            device="cuda", interval=32, max_running=6, decode_graphs=graphs, compile_decode=graphs and compiled,
+            padded_decode=graphs))
         logits[graphs] = record_logits(engine)
         outs[graphs] = [[o[0].output_ids for o in engine.generate(prompts, params)] for _ in range(2)]
         engine.check_integrity()

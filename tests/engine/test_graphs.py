@@ -35,7 +35,7 @@ def test_graph_path_equals_the_plain_engine(name):
     prompts = _prompts(tok, 13)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     cfg = dict(max_running=6, interval=32)  # 13 requests through 6 slots: padded batches
-    plain = Engine(model, tok, EngineConfig(**cfg))
+    plain = Engine(model, tok, EngineConfig(**cfg, padded_decode=False))  # the general step
     graphed = Engine(model, tok, EngineConfig(**cfg, decode_graphs=True))
     want_logits, got_logits = record_logits(plain), record_logits(graphed)
     for _ in range(2):  # the second round hits the first one's checkpoints
@@ -57,79 +57,66 @@ def test_graph_path_forks():
     model, tok = load_zoo("gdn-tiny")
     prompts = _prompts(tok, 3, seed=1)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3)
-    want = Engine(model, tok, EngineConfig(interval=32)).generate(prompts, params)
+    want = Engine(model, tok, EngineConfig(interval=32, padded_decode=False)).generate(prompts, params)
     got = Engine(model, tok, EngineConfig(interval=32, decode_graphs=True)).generate(prompts, params)
     assert [[s.output_ids for s in o] for o in got] == [[s.output_ids for s in o] for o in want]
 
 
 def _assert_compiled_equals_plain(plain: Engine, compiled: Engine, prompts, params: SamplingParams) -> None:
-    """Two rounds, n = 1 then n = 2 (the second hits the first one's checkpoints, and forks), with no recompile:
-    tokens and cached tokens equal the plain engine's, logits within float tolerance."""
+    """Two rounds, n = 1 then n = 2 (the second hits the first one's checkpoints, and forks): tokens and cached
+    tokens equal the plain engine's, logits within float tolerance."""
     want_logits, got_logits = record_logits(plain), record_logits(compiled)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        for n in (1, 2):
-            want = plain.generate(prompts, replace(params, n=n))
-            got = compiled.generate(prompts, replace(params, n=n))
-            assert [[s.output_ids for s in o] for o in got] == [[s.output_ids for s in o] for o in want]
-            assert [o[0].cached_tokens for o in got] == [o[0].cached_tokens for o in want]
+    for n in (1, 2):
+        want = plain.generate(prompts, replace(params, n=n))
+        got = compiled.generate(prompts, replace(params, n=n))
+        assert [[s.output_ids for s in o] for o in got] == [[s.output_ids for s in o] for o in want]
+        assert [o[0].cached_tokens for o in got] == [o[0].cached_tokens for o in want]
     assert max((got_logits[k] - v).abs().max().item() for k, v in want_logits.items()) < 1e-4
     stats = compiled.snapshot()["decode_graphs"]
     assert stats["compiled"] and stats["steps"] > 30 and len({s for _, s in stats["buckets"]}) >= 3
     compiled.check_integrity()
 
 
-def test_compiled_decode_equals_the_plain_engine():
-    """compile_decode: the engine compiles one step per batch bucket when it starts, and nothing after:
-    histories grow through several buckets (64-512), hits and n = 2 forks decode, all without a recompile. One
-    batch bucket (max_running 1): each costs about a minute of Inductor here, and batching and padding are the
-    eager twin's (test_graph_path_equals_the_plain_engine), the same step code. (gdn-tiny: the next test.)"""
+def test_compiled_decode_equals_the_plain_engine_and_a_second_start_loads_it(tmp_path):
+    """compile_decode on the CPU: the engine compiles one package per batch bucket into its cache when it starts;
+    histories grow through several buckets (64-512), hits and n = 2 forks decode, as the plain engine does. A
+    second engine on the same model and cache directory compiles nothing: it loads the package and decodes the
+    same. One batch bucket (max_running 1): each costs about half a minute of Inductor here, and batching and
+    padding are the eager twin's (test_graph_path_equals_the_plain_engine), the same step code."""
     model, tok = load_zoo("kda-tiny")
-    cfg = dict(max_running=1, interval=32)
-    compiled = Engine(model, tok, EngineConfig(**cfg, compile_decode=True))
-    _assert_compiled_equals_plain(Engine(model, tok, EngineConfig(**cfg)), compiled, _prompts(tok, 5, seed=2),
-                                  SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    cfg = EngineConfig(max_running=1, interval=32, compile_decode=True, compile_cache_dir=str(tmp_path / "c"))
+    compiled = Engine(model, tok, cfg)
+    assert compiled.snapshot()["decode_graphs"]["packages_compiled"] == 1
+    plain = Engine(model, tok, replace(cfg, compile_decode=False, padded_decode=False))
+    prompts, params = _prompts(tok, 5, seed=2), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    _assert_compiled_equals_plain(plain, compiled, prompts, params)
+    again = Engine(model, tok, cfg)
+    stats = again.snapshot()["decode_graphs"]
+    assert (stats["packages_loaded"], stats["packages_compiled"]) == (1, 0)
+    assert [o[0].output_ids for o in again.generate(prompts, params)] == \
+        [o[0].output_ids for o in plain.generate(prompts, params)]
 
 
-def test_compiled_engines_of_one_process_keep_their_own_models():
-    """Compiled steps skip Dynamo's guards on the model's modules, so each engine compiles its own copy of the
-    step. Two engines on models with the same KV and state shapes but different MLP widths (which only the
-    skipped guards tell apart), stepped in turns, each give the tokens of a plain engine on their own model; the
-    first (gdn-tiny) also passes the kda-tiny test above (one batch bucket here: a compile per engine, which is
-    what makes compiled tests slow on the CPU)."""
+def test_compiled_gdn_decode_equals_the_plain_engine(tmp_path):
+    """The same for gdn-tiny's decode step (gated DeltaNet and gated attention traced and compiled)."""
     model, tok = load_zoo("gdn-tiny")
-    config = read_config(ZOO_DIR / "gdn-tiny")
-    other = build_model({**config, "intermediate_size": 2 * config["intermediate_size"]}).eval()
-    with torch.no_grad():  # the trained weights, each MLP's tiled twice over: twice its output
-        for (_, mine), theirs in zip(other.named_parameters(), model.parameters(), strict=True):
-            tiled = [2 if a != b else 1 for a, b in zip(mine.shape, theirs.shape)]
-            mine.copy_(theirs.repeat(*tiled))
-    cfg = EngineConfig(max_running=1, interval=32)
-    engines = [Engine(m, tok, replace(cfg, compile_decode=True)) for m in (model, other)]
-    _assert_compiled_equals_plain(Engine(model, tok, cfg), engines[0], _prompts(tok, 5, seed=2),
+    cfg = EngineConfig(max_running=1, interval=32, compile_decode=True, compile_cache_dir=str(tmp_path))
+    plain = Engine(model, tok, replace(cfg, compile_decode=False, padded_decode=False))
+    _assert_compiled_equals_plain(plain, Engine(model, tok, cfg), _prompts(tok, 5, seed=2),
                                   SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    prompts = _prompts(tok, 2, seed=3)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    want = [Engine(m, tok, replace(cfg, enable_cache=False)).generate(prompts, params) for m in (model, other)]
-    assert [o[0].output_ids for o in want[0]] != [o[0].output_ids for o in want[1]]
-    with torch.compiler.set_stance("fail_on_recompile"):
-        for _ in range(2):
-            for engine, expected in zip(engines, want):
-                got = engine.generate(prompts, params)
-                assert [o[0].output_ids for o in got] == [o[0].output_ids for o in expected]
 
 
-def test_compile_failure_names_the_setting(monkeypatch):
+def test_compile_failure_names_the_setting(monkeypatch, tmp_path):
     """A machine where Inductor cannot build its kernels (no C++ compiler) fails at engine start, saying which
-    setting to turn off."""
-    def broken(fn, **kw):
-        def step(*args):
-            raise OSError("g++: command not found")
-        return step
+    setting to turn off, and leaves nothing in the cache."""
+    def broken(program, package_path=None, inductor_configs=None):
+        raise OSError("g++: command not found")
 
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
     model, tok = load_zoo("gdn-tiny")
-    with pytest.raises(RuntimeError, match="compile_decode: torch.compile failed.*g\\+\\+: command not found"):
-        Engine(model, tok, EngineConfig(max_running=2, compile_decode=True))
+    with pytest.raises(RuntimeError, match="compile_decode: compiling the decode step failed.*g\\+\\+: command not"):
+        Engine(model, tok, EngineConfig(max_running=2, compile_decode=True, compile_cache_dir=str(tmp_path)))
+    assert not list(tmp_path.glob("*.pt2"))
 
 
 def test_decode_step_reads_nothing_from_the_host(monkeypatch):
