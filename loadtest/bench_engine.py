@@ -18,7 +18,9 @@ In one run, on one checkpoint:
    each request's own budget.
 Every figure is the median of --repeats runs; ratios are against baselines measured in the same run. Sections 2
 and 3 build each engine once and reuse it in every repeat, as a server keeps its engine; with --compile-decode
-they time compiled engines, and section 1, which times prefill, does not.
+they time compiled engines (decode steps; on the CPU also the prefill passes, which section 1 then times too).
+4. host: the engine's host work per sequence per step, and serving: the serving path's cost per token at one
+   stream (loadtest/engine_host.py).
 
 Results: loadtest/results/bench_engine_<cpu|cuda>.json, one variant per section, `<model>[-bfloat16][-graphs]
 [-compiled]/<section>` (e.g. `kda-tiny-compiled/decode`); --out DOC replaces those variants' blocks in DOC
@@ -58,8 +60,9 @@ class Place(NamedTuple):
     compiled: bool = False
 
     def config(self, **kw) -> EngineConfig:
+        cpu_compiled = self.compiled and self.device == "cpu"  # (compiled prefill passes are the CPU's)
         return EngineConfig(device=self.device, dtype=self.dtype, decode_graphs=self.graphs,
-                            compile_decode=self.compiled, **kw)
+                            compile_decode=self.compiled, compile_prefill=cpu_compiled, **kw)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -289,9 +292,9 @@ def main(argv=None) -> None:
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     record = start_run("bench_engine", {k: v for k, v in vars(args).items() if k != "out"}, argv,
                        "cuda" if args.device.startswith("cuda") else "cpu")
-    # TTFT is prefill, which compiled decode steps leave alone: its many cache-filled engines are not compiled
+    # with --compile-decode the TTFT section's engines run compiled prefill passes (on the CPU): packages from the cache
     ttft_rows = bench_ttft(model, tok, ref, args.lengths, args.repeats, args.interval, args.diverge,
-                           args.hit_samples, place._replace(compiled=False)) \
+                           args.hit_samples, place) \
         if "ttft" in args.sections else []
     engines = Engines(model, tok)
     decode_rows = bench_decode(model, tok, ref, args.batches, args.repeats, place=place, engines=engines) \

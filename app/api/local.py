@@ -1,9 +1,10 @@
 """A `Backend` over one in-process engine: `python -m app.api.local --model kda-tiny --port 8000` serves the
 OpenAI API without Ray (handy for development; the product runs through `deployments/`).
 
-Its engine runs with compiled decode steps (`compile_decode`, as configs/config.yaml ships it): the first start on
-a machine compiles one package per batch bucket into the compile cache (minutes on two cores), later starts load
-them (seconds). `--engine '{"compile_decode": false}'` starts at once with eager steps."""
+Its engine runs with compiled decode steps and compiled prefill passes (`compile_decode`, `compile_prefill`, as
+configs/config.yaml ships them): the first start on a machine compiles their packages into the compile cache
+(minutes on two cores), later starts load them (seconds). `--engine '{"compile_decode": false, "compile_prefill":
+false}'` starts at once, eagerly."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ from app.engine.request import RequestOutput, SamplingParams
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 
-
 # where this server's engine differs from EngineConfig's defaults (which tests and embedders get): as shipped in
 # configs/config.yaml
-SERVER_DEFAULTS = {"compile_decode": True}
+SERVER_DEFAULTS = {"compile_decode": True, "compile_prefill": True}
 
 
 class LocalBackend:

@@ -46,7 +46,7 @@ class KVSlots(SlotAllocator):
 
     def alloc_tensor(self, n: int) -> torch.Tensor | None:
         ids = self.alloc(n)
-        return None if ids is None else torch.tensor(ids, dtype=torch.long)
+        return None if ids is None else torch.from_numpy(np.array(ids, dtype=np.int64))
 
     def free_tensor(self, slots: torch.Tensor) -> None:
         self.free(slots.tolist())

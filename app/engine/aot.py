@@ -111,13 +111,19 @@ def _check_private(path: Path, directory: bool = False) -> None:
 
 def artifact_key(model: HybridForCausalLM, batch: int, options: dict) -> str:
     """The cache key of `model`'s decode step for `batch` rows, compiled with `options` on this machine."""
+    parts = (weights_digest(model), repr(model.config), str(model.model.embed_tokens.weight.dtype))
+    return package_key(f"decode-b{batch}", parts, options)
+
+
+def package_key(name: str, parts: tuple, options: dict) -> str:
+    """`name` and a hash of `parts` (what the package was built from) and of this machine and software: torch and
+    Python versions, the CPU, the thread count its kernels were built for, `options` and the traced source."""
     h = hashlib.sha256()
-    for part in (weights_digest(model), repr(model.config), str(model.model.embed_tokens.weight.dtype), batch,
-                 torch.__version__, platform.python_version(), machine_digest(), torch.get_num_threads(),
+    for part in (name, *parts, torch.__version__, platform.python_version(), machine_digest(), torch.get_num_threads(),
                  sorted(options.items()), source_digest()):
         h.update(repr(part).encode())
         h.update(b"\0")
-    return f"decode-b{batch}-{h.hexdigest()[:32]}"
+    return f"{name}-{h.hexdigest()[:32]}"
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -188,6 +194,18 @@ def _state_view(conv: list[torch.Tensor], ssm: list[torch.Tensor], device) -> St
     return states
 
 
+class Package:
+    """A loaded package, called with its flat inputs (what its pytree wrapper would build on every call: the
+    tensors of the exported arguments, in order); returns its outputs as a tuple."""
+
+    def __init__(self, path: Path) -> None:
+        self.runner = torch._inductor.aoti_load_package(str(path))
+        self._run = self.runner.loader.boxed_run
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple:
+        return tuple(self._run(list(tensors)))
+
+
 class AotStep:
     """One batch bucket's loaded package, called like `decode_step(model, kv, states, inputs)`."""
 
@@ -198,8 +216,9 @@ class AotStep:
 
     def __call__(self, model, kv, states, inputs) -> torch.Tensor:
         # the package's flat calling convention (what its pytree wrapper would build on every call): head,
-        # kv_read, then the storages in order; one output, the logits
-        return self._run([inputs.head, inputs.kv_read, *self._storages])[0]
+        # kv_read, then the storages in order; two outputs, the logits and their argmax
+        logits, ids = self._run([inputs.head, inputs.kv_read, *self._storages])
+        return logits, ids
 
 
 def export_step(model: HybridForCausalLM, kv: KVStorage, states: StateStorage, inputs,

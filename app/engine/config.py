@@ -92,6 +92,9 @@ class EngineConfig:
     decode_graphs: bool = knob(False, "replay pure decode steps from captured CUDA graphs (app/engine/graphs.py)")
     compile_decode: bool = knob(False, "compiled decode steps, one per batch bucket, made when the worker starts "
                                        "(CPU: ahead-of-time packages kept in compile_cache_dir; GPU: torch.compile)")
+    compile_prefill: bool = knob(False, "the chunked recurrent pass of prefill pieces as compiled packages (one per "
+                                        "chunk-count bucket), made when the worker starts (CPU; kept in "
+                                        "compile_cache_dir)")
     compile_cache_dir: str | None = knob(None, "private directory (mode 0700) of the CPU's compiled decode packages "
                                                "(unset: ~/.cache/dasc-serve/compiled)")
     compile_cache_mb: float = knob(2048.0, "size cap of compile_cache_dir in MiB (least recently used packages "

@@ -220,7 +220,7 @@ class Engine:
     def _advance(self, seq: Sequence, start: int, end: int, slots: torch.Tensor) -> None:
         """The sequence has computed tokens [start, end) into KV `slots`; store the checkpoints it passed."""
         seq.num_computed = end
-        seq.kv_slots = torch.cat([seq.kv_slots, slots])
+        seq.append_kv(slots)
         self.checkpoints.after_piece(seq, start)
 
     def _finish(self, seq: Sequence, reason: str, store: bool) -> None:
@@ -276,6 +276,8 @@ class Engine:
             "total_units": dense, "retained_units": self.plan.retained_units}
         graphs = getattr(self.worker, "graphs", None)
         snap["decode_graphs"] = None if graphs is None else graphs.stats()
+        report = getattr(self.worker, "prefill_report", None)
+        snap["compiled_prefill"] = None if report is None else report.stats()
         return snap
 
     def check_integrity(self) -> None:

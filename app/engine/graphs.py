@@ -24,7 +24,7 @@ import types
 import numpy as np
 import torch
 
-from app.cache.pools import KVStorage, PagedKV, StateStorage, padded_rows
+from app.cache.pools import KVStorage, PagedKV, StateStorage
 from app.engine.aot import AotStep, ArtifactCache, CompileReport, artifact_key, build_package
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout
@@ -43,32 +43,53 @@ def bucket(n: int, floor: int = 1) -> int:
 
 class DecodeInputs:
     """The input buffers of one (b, s) bucket: `head` [4, b] rows ids, positions, state slots, KV write slots;
-    `kv_read` [b, s]. Two tensors, not views of one: a compiled step pays per call for inputs that alias."""
+    `kv_read` [b, s]. Two tensors, not views of one: a compiled step pays per call for inputs that alias. A step's
+    values are written in numpy (`write`): straight into the buffers on the CPU, into pinned host twins copied
+    without blocking to a GPU."""
 
     def __init__(self, b: int, s: int, fill: int, scratch_state: int, device: torch.device) -> None:
         self.head = torch.zeros((4, b), dtype=torch.long, device=device)
         self.head[2].fill_(scratch_state)
         self.head[3].fill_(fill)
         self.kv_read = torch.full((b, s), fill, dtype=torch.long, device=device)
+        self.pad = np.array([0, 0, scratch_state, fill], dtype=np.int64)[:, None]
+        self.fill_value = fill
+        host = (self.head, self.kv_read) if device.type == "cpu" else \
+            (self.head.cpu().pin_memory(), self.kv_read.cpu().pin_memory())
+        self._host = host
+        self._np = tuple(t.numpy() for t in host)
 
-    def fill(self, head: torch.Tensor, kv_read: torch.Tensor) -> None:
-        """Copy a step's host-built inputs in (to a GPU from pinned memory, without blocking)."""
-        for dst, src in ((self.head, head), (self.kv_read, kv_read)):
-            if dst.is_cuda:
-                dst.copy_(src.pin_memory(), non_blocking=True)
-            else:
-                dst.copy_(src)
+    def write(self, batch: StepBatch) -> None:
+        """A step's values (`DecodeGraphs.handles` accepts the batch): row i is sequence i, its KV history and
+        then its new slot; the rows past the batch and each row's tail read and write the scratch slots."""
+        head, kv = self._np
+        n = len(batch.extend_lens)
+        head[0, :n], head[1, :n], head[2, :n] = batch.token_ids, batch.cached_lens, batch.state_slots
+        new = [w.numpy() for w in batch.new_slots]
+        head[3, :n] = np.concatenate(new)
+        head[:, n:] = self.pad
+        for row, hist, slot in zip(kv, batch.history, new):
+            at = hist.numel()
+            row[:at] = hist.numpy()
+            row[at] = slot[0]
+            row[at + 1 :] = self.fill_value
+        kv[n:] = self.fill_value
+        if self.head.is_cuda:
+            for dst, src in zip((self.head, self.kv_read), self._host):
+                dst.copy_(src, non_blocking=True)
 
 
 @torch.no_grad()
-def decode_step(model: HybridForCausalLM, kv: KVStorage, states: StateStorage, inputs: DecodeInputs) -> torch.Tensor:
-    """One decode step from device tensors only (what a graph captures): logits [b, V]; the new states are
-    written back to their slots, the new KV entries to theirs."""
+def decode_step(model: HybridForCausalLM, kv: KVStorage, states: StateStorage,
+                inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step from device tensors only (what a graph captures): logits [b, V] and their argmax [b] (the
+    greedy picks, made inside the step); the new states are written back to their slots, the new KV entries to
+    theirs."""
     ids, positions, state_slots, kv_write = inputs.head.unbind(0)
     logits, new = model(ids, BatchLayout.decode(positions), PagedKV.decode(kv, inputs.kv_read, kv_write),
                         states.gather(state_slots))
     states.scatter(state_slots, new)
-    return logits
+    return logits, logits.argmax(-1)
 
 
 def _compile_error(e: Exception) -> RuntimeError:
@@ -166,23 +187,25 @@ class DecodeGraphs:
                "compiled": self.compiled}
         return out | (self.report.stats() if self.report else {})
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [n, V] on the device for a step `handles` accepts (a graph's output: read them before the
-        next step)."""
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, V], their argmax [n]) on the device for a step `handles` accepts (a graph's outputs: read
+        them before the next step). The KV history is padded to a power of two for a captured graph (one graph
+        per size), to a multiple of MIN_HISTORY otherwise (compiled and eager steps take any length)."""
         n = len(batch.extend_lens)
-        b, s = bucket(n), bucket(max(batch.cached_lens) + 1, MIN_HISTORY)
+        longest = max(batch.cached_lens) + 1
+        b, s = bucket(n), (bucket(longest, MIN_HISTORY) if self.capture else -(-longest // MIN_HISTORY) * MIN_HISTORY)
         if (b, s) not in self._buckets:
             self._buckets[(b, s)] = self._prepare(b, s)
         graph, inputs, out = self._buckets[(b, s)]
         self.last = (b, s)
-        inputs.fill(*self._host_inputs(batch, b, s))
+        inputs.write(batch)
         if graph is None:
             out = self._packages.get(b, self.step)(self.model, self.kv, self.states, inputs)
         else:
             with torch.cuda.device(self.device):
                 graph.replay()
         self.replays += 1
-        return out[:n]
+        return out[0][:n], out[1][:n]
 
     def rerun_last(self) -> None:
         """The last step's device work once more, on its inputs as they are (what bench_engine times as the
@@ -193,17 +216,6 @@ class DecodeGraphs:
         else:
             with torch.cuda.device(self.device):
                 graph.replay()
-
-    def _host_inputs(self, batch: StepBatch, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's head [4, b] and KV read table [b, s], built on the host in numpy (torch ops on this many tiny
-        tensors cost more in dispatch than in copying)."""
-        n = len(batch.extend_lens)
-        head = np.empty((4, b), dtype=np.int64)
-        head[:, n:] = np.array([0, 0, self.scratch_state, self.scratch_kv])[:, None]
-        head[0, :n], head[1, :n], head[2, :n] = batch.token_ids, batch.cached_lens, batch.state_slots
-        head[3, :n] = [int(w) for w in batch.new_slots]
-        rows = [[h, w] for h, w in zip(batch.history, batch.new_slots)] + [[]] * (b - n)
-        return torch.from_numpy(head), padded_rows(rows, s, self.scratch_kv)
 
     @torch.no_grad()  # as in worker.run: grad mode is part of what a compiled step was compiled for
     def _compile_buckets(self, largest: int) -> None:

@@ -30,7 +30,7 @@ def greedy_tokens(works: list[Work], logits: dict[int, torch.Tensor]) -> dict[in
     keys = [id(w.seq) for w in works if id(w.seq) in logits and w.seq.params.temperature <= 0]
     if not keys:
         return {}
-    return dict(zip(keys, split_logits(torch.stack([logits[k] for k in keys]), (True,) * len(keys))[0]))
+    return dict(zip(keys, split_logits(torch.stack([logits[k] for k in keys]), greedy=(True,) * len(keys))[0]))
 
 
 def sample(seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> dict[int, int]:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from app.cache.radix import Node
@@ -142,7 +143,6 @@ class Sequence:
     replayed: int = 0  # tokens recomputed although their KV was cached (replay from an earlier checkpoint)
     lost: int = 0  # of them, those a checkpoint evicted for room would have saved (`MatchResult.lost_len`)
     state_slot: int | None = None
-    kv_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     num_shared: int = 0
     node: Node | None = None
     cuts: dict[int, str] = field(default_factory=dict)  # checkpoint position -> kind, still ahead
@@ -163,6 +163,31 @@ class Sequence:
     grammar: GrammarState | None = None  # guided_json: made at the first constrained row, follows output_ids
     spec: object | None = None  # speculative decoding: its n-gram index and acceptance (app/engine/speculative.py)
     greedy_only: bool = False  # its picks need nothing but the argmax of the raw logits (the engine sets it)
+
+    # KV slot ids (`kv_slots`) in a buffer that grows by doubling, so that a decode step's slot is appended in
+    # constant time instead of copying the whole list
+    _kv: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    _kv_len: int = 0
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """[num_computed] int64 KV slot ids (a view: replaced, never changed in place, by later appends)."""
+        return torch.from_numpy(self._kv[: self._kv_len])
+
+    @kv_slots.setter
+    def kv_slots(self, slots: torch.Tensor) -> None:
+        self._kv = slots.numpy().copy() if isinstance(slots, torch.Tensor) else np.array(slots, dtype=np.int64)
+        self._kv_len = len(self._kv)
+
+    def append_kv(self, slots: torch.Tensor) -> None:
+        new = slots.numpy()
+        end = self._kv_len + len(new)
+        if end > len(self._kv):
+            grown = np.empty(max(end, 2 * len(self._kv), 64), dtype=np.int64)
+            grown[: self._kv_len] = self._kv[: self._kv_len]
+            self._kv = grown
+        self._kv[self._kv_len : end] = new
+        self._kv_len = end
 
     @property
     def prompt_lp_upto(self) -> int:

@@ -74,8 +74,9 @@ class Scheduler:
                 drafts, sizes = [()] * len(decoding), [1] * len(decoding)
                 slots = self.cache.alloc_kv(len(decoding))
             if slots is not None:
+                pieces = (slots,) if len(sizes) == 1 else slots.split(sizes)
                 works.extend(Work(seq, seq.num_computed, seq.num_computed + n, piece, d)
-                             for seq, n, piece, d in zip(decoding, sizes, slots.split(sizes), drafts))
+                             for seq, n, piece, d in zip(decoding, sizes, pieces, drafts))
                 budget -= sum(sizes)
                 decoding = []
         for seq in decoding + prefilling:

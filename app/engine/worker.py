@@ -9,6 +9,7 @@ logits of its sampled rows. Why: docs/architecture.md, "Engine: who decides, who
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +22,16 @@ from app.dasc.placement import plan_placement
 from app.dasc.policy import local_rows, refresh_local_units
 from app.dasc.selection import make_plan
 from app.dasc.tp_codec import PlacedDascCodec
+from app.engine.aot import CompileReport
 from app.engine.config import EngineConfig
 from app.engine.graphs import DecodeGraphs
+from app.engine.prefill import load_cores
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout, LinearStates, host_to_device
 from app.models.hybrid import HybridForCausalLM
 from app.models.layers import Experts
 from app.models.loader import cast_model
+from app.ops.chunk import compiled_cores
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,19 @@ class Worker:
             self.graphs = DecodeGraphs(self.model, self.kv, self.states, cfg.max_running, cfg.kv_slots, self.device,
                                        capture=cfg.decode_graphs, compiled=cfg.compile_decode,
                                        cache_dir=cfg.compile_cache_dir, cache_mb=cfg.compile_cache_mb)
+        self.chunk_cores = None  # compiled twins of the chunked recurrent pass (app/engine/prefill.py)
+        self.prefill_report = None
+        if cfg.compile_prefill and self.device.type == "cpu":
+            report = CompileReport()
+            try:
+                self.chunk_cores = load_cores(self.model, cfg.chunk_size, cfg.compile_cache_dir, cfg.compile_cache_mb,
+                                              report)
+            except PermissionError:
+                raise
+            except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
+                raise RuntimeError(f"compile_prefill: compiling the chunked pass failed ({type(e).__name__}: {e}). "
+                                   "It needs a C++ compiler (g++); or set compile_prefill to false") from e
+            self.prefill_report = report
         self.configure_checkpoints(cfg, codec)
 
     # ------------------------------------------------------------------ checkpoint storage
@@ -173,7 +190,7 @@ class Worker:
         self.verifying = {}
         if self.graphs is not None and self.graphs.handles(batch):
             self.snapshots, self.piece_logits = {}, {}
-            return split_logits(self.graphs.run(batch), batch.greedy)
+            return split_logits(*self.graphs.run(batch), greedy=batch.greedy)
         ids = host_to_device(batch.token_ids, self.device)
         layout = BatchLayout(batch.extend_lens, batch.cached_lens, batch.snapshots, verify=batch.verify)
         kv = PagedKV(self.kv, batch.history, batch.new_slots)
@@ -182,11 +199,12 @@ class Worker:
         picked = None if rows is None else host_to_device(rows, self.device)
         # the model never writes its input states; a verify piece's slot keeps the state before the piece until
         # `rollback`, and its records replay from a copy of it (gathered), which checkpoints read after the rollback
+        with compiled_cores(self.chunk_cores):
+            states = self.states.view(slots[0]) if len(slots) == 1 and not batch.verify else self.states.gather(slots)
+            logits, new_states = self.model(ids, layout, kv, states, logit_rows=picked)
         if len(slots) == 1 and not batch.verify:  # read the slot in place, one copy back
-            logits, new_states = self.model(ids, layout, kv, self.states.view(slots[0]), logit_rows=picked)
             self.states.write(slots[0], new_states)
         else:
-            logits, new_states = self.model(ids, layout, kv, self.states.gather(slots), logit_rows=picked)
             keep = [i for i in range(len(slots)) if i not in batch.verify]
             if len(keep) == len(slots):
                 self.states.scatter(slots, new_states)
@@ -210,7 +228,7 @@ class Worker:
         if batch.verify and greedy:
             greedy = tuple(g for i, g in zip(batch.want_logits, greedy)
                            for _ in range(batch.extend_lens[i] if i in batch.verify else 1))
-        return split_logits(logits, greedy)
+        return split_logits(logits, greedy=greedy)
 
     def refresh(self, prefixes: list[list[int]], kv_slots: list[torch.Tensor], state_slots: list[int]) -> int:
         """dasc-wr: refresh the omitted units of freshly loaded checkpoints (one batched replay)."""
@@ -235,18 +253,27 @@ def _logit_rows(batch: StepBatch) -> tuple[list[int] | None, list[int]]:
     return rows, last
 
 
-def split_logits(logits: torch.Tensor, greedy: tuple[bool, ...]) -> tuple[list[int], torch.Tensor]:
-    """(the argmax tokens of the rows `greedy` marks, computed where the logits are; the other rows, fp32 on
-    the host). With a large vocabulary this keeps a step's [B, V] logits off the host link, and the argmax
-    off the host, for greedy requests. argmax takes the first maximum on ties, as `sample_token` does."""
+def split_logits(logits: torch.Tensor, argmax: torch.Tensor | None = None, *,
+                 greedy: tuple[bool, ...]) -> tuple[list[int], torch.Tensor]:
+    """(the argmax tokens of the rows `greedy` marks, computed where the logits are, or taken from `argmax` when
+    the step made them; the other rows, fp32 on the host). With a large vocabulary this keeps a step's [B, V]
+    logits off the host link, and the argmax off the host, for greedy requests. argmax takes the first maximum
+    on ties, as `sample_token` does."""
     if not any(greedy):
         return [], logits.float().cpu()
+    if argmax is None:
+        argmax = logits.argmax(-1)
     if all(greedy):
-        return logits.argmax(-1).tolist(), torch.empty(0, logits.shape[-1], device="cpu")
+        return argmax.tolist(), _no_rows(logits.shape[-1])
     picks = [i for i, g in enumerate(greedy) if g]
     rest = [i for i, g in enumerate(greedy) if not g]
-    tokens = logits[host_to_device(picks, logits.device)].argmax(-1).tolist()
+    tokens = argmax[host_to_device(picks, logits.device)].tolist()
     return tokens, logits[host_to_device(rest, logits.device)].float().cpu()
+
+
+@functools.lru_cache(maxsize=8)
+def _no_rows(width: int) -> torch.Tensor:
+    return torch.empty(0, width)
 
 
 def routed_experts(model: HybridForCausalLM) -> bool:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -147,10 +149,10 @@ def state_after(state: torch.Tensor, k: torch.Tensor, G: torch.Tensor, delta: to
     return state * G_t.transpose(-1, -2).exp() + (k * (G_t - G).exp()).transpose(-1, -2) @ delta
 
 
-def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: Sequence[int] = (), keep=False):
+def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: Sequence[int] = ()):
     """g: [B, T, H, D] with D = K (per channel) or D = 1 (per head, scalar path with plain matmuls).
-    Returns o, the final state and the states after the first t tokens for t in `at` (stacked, or None); with
-    `keep` (one chunk), the replay inputs (k, G, delta) [B, H, T, *] instead of the third."""
+    Returns o, the final state and the states after the first t tokens for t in `at` (stacked, or None).
+    The work is `_chunk_core`'s, or a compiled twin of it where one is in force (`compiled_cores`)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     out_dtype = q.dtype
@@ -159,8 +161,24 @@ def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: S
     if T == 0:
         return v.new_zeros(B, 0, H, V, dtype=out_dtype), S0, None
     C = chunk_size
-    q, k, v, g = (_to_chunks(x.float(), C) for x in (q, k, v, g))  # [B, H, N, C, *]
-    beta = _to_chunks(beta.float().unsqueeze(-1), C)  # [B, H, N, C, 1]
+    core, chunks = _core_for(q, g, beta, S0, scale, C, -(-T // C))
+    pad = (0, 0, 0, 0, 0, chunks * C - T)  # zero k, v, g and beta: a padding token leaves the state as it is
+    q, k, v, g = (F.pad(x.float(), pad) for x in (q, k, v, g))
+    beta = F.pad(beta.float(), pad[2:])
+    o, S, starts, deltas, k, G = core(q, k, v, g, beta, S0)
+    inside = torch.stack([_state_inside(t, C, starts, deltas, k, G) for t in at]) if at else None
+    return o[:, :T].to(out_dtype), S, inside
+
+
+def _chunk_core(q, k, v, g, beta, S0, scale: float, C: int):
+    """The chunked pass over fp32 q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, D], beta [B, T, H] with T a
+    multiple of C, from S0 [B, H, K, V]. Returns o [B, T, H, V], the final state, each chunk's start state
+    [B, H, N, K, V] and corrections [B, H, N, C, V], and the chunked keys [B, H, N, C, K] and cumulative
+    log-decays [B, H, N, C, D] (what a state inside a chunk is rebuilt from)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    q, k, v, g = (_to_chunks(x, C) for x in (q, k, v, g))  # [B, H, N, C, *]
+    beta = _to_chunks(beta.unsqueeze(-1), C)  # [B, H, N, C, 1]
     q = q * scale
     k_beta = k * beta
 
@@ -185,11 +203,40 @@ def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, chunk_size, at: S
     starts, deltas = torch.stack(starts, dim=2), torch.stack(deltas, dim=2)  # [B, H, N, K|C, V]
 
     o = (q * from_start) @ starts + Aqk @ deltas  # [B, H, N, C, V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :T]
-    if keep:
-        return o.to(out_dtype), S, (k[:, :, 0, :T], G[:, :, 0, :T], deltas[:, :, 0, :T])
-    inside = torch.stack([_state_inside(t, C, starts, deltas, k, G) for t in at]) if at else None
-    return o.to(out_dtype), S, inside
+    return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V), S, starts, deltas, k, G
+
+
+# compiled twins of `_chunk_core` in force in this context (`compiled_cores`): core_key -> {chunk count: callable}
+_CORES: ContextVar[dict | None] = ContextVar("compiled_chunk_cores", default=None)
+
+
+def core_key(per_channel: bool, C: int, H: int, K: int, V: int, scale: float) -> tuple:
+    """What a compiled core is specialised to, besides its chunk count (and the batch, which it takes any of)."""
+    return (per_channel, C, H, K, V, float(scale))
+
+
+@contextmanager
+def compiled_cores(cores: dict | None):
+    """Within this block (this thread), inference passes of a shape in `cores` (core_key -> {chunk count: a callable
+    with `_chunk_core`'s tensor inputs and outputs}) run on the core of the smallest chunk count >= theirs, their
+    input padded with tokens that leave the state as it is (app/engine/prefill.py makes them). Passes that need
+    gradients, run off the CPU or find no core large enough run `_chunk_core` itself."""
+    token = _CORES.set(cores)
+    try:
+        yield
+    finally:
+        _CORES.reset(token)
+
+
+def _core_for(q, g, beta, S0, scale, C, chunks):
+    """(the core to run, the chunk count it takes)."""
+    installed = _CORES.get()
+    cores = installed.get(core_key(g.shape[-1] != 1, C, q.shape[2], q.shape[3], S0.shape[-1], scale)) \
+        if installed and q.device.type == "cpu" and not torch.is_grad_enabled() else None
+    fit = min((n for n in cores if n >= chunks), default=None) if cores else None
+    if fit is None:
+        return lambda *xs: _chunk_core(*xs, scale, C), chunks
+    return cores[fit], fit
 
 
 def _state_inside(t: int, C: int, starts, deltas, k, G) -> torch.Tensor:
@@ -201,11 +248,9 @@ def _state_inside(t: int, C: int, starts, deltas, k, G) -> torch.Tensor:
 
 
 def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[B, T, H, D] -> [B, H, N, C, D], zero-padding T up to N * C (zero k, v, g, beta leave S unchanged)."""
+    """[B, T, H, D] -> [B, H, N, C, D], T a multiple of C."""
     B, T, H, D = x.shape
-    N = -(-T // C)
-    x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.reshape(B, N, C, H, D).permute(0, 3, 1, 2, 4)
+    return x.reshape(B, T // C, C, H, D).permute(0, 3, 1, 2, 4)
 
 
 def _gdn_intra(q, k_beta, k, G):

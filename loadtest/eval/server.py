@@ -32,7 +32,7 @@ def local_server(model: str, engine: dict, log: Path, timeout_s: float = 180.0, 
     port = free_port()
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     cmd = [sys.executable, "-m", "app.api.local", "--model", model, "--port", str(port),
-           "--engine", json.dumps({"compile_decode": False, **engine})]
+           "--engine", json.dumps({"compile_decode": False, "compile_prefill": False, **engine})]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -47,7 +47,9 @@ def test_graph_path_equals_the_plain_engine(name):
     assert max((got_logits[k] - v).abs().max().item() for k, v in want_logits.items()) < 1e-4
     stats = graphed.snapshot()["decode_graphs"]
     assert stats["steps"] > 40 and not stats["captured"]
-    assert (8, 512) in stats["buckets"]  # 6 sequences padded to 8
+    assert any(b == 8 for b, _ in stats["buckets"])  # 6 sequences padded to 8
+    # histories padded to multiples of 64 (uncaptured steps take any length), through several of them
+    assert all(s % graphs.MIN_HISTORY == 0 for _, s in stats["buckets"])
     assert len({b for b, _ in stats["buckets"]}) >= 2 and len({s for _, s in stats["buckets"]}) >= 3
     graphed.check_integrity()
 
