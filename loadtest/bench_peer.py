@@ -1,6 +1,8 @@
 """Our server against llama.cpp's llama-server on the same models: `python -m loadtest.bench_peer [--models kda-tiny
 gdn-tiny] [--starts 3] [--repeats 3] [--arms ours-local ours-ray llama] [--local-engine JSON] [--quick]
-[--out docs/benchmarks.md]` (about 15 minutes on a quiet 2-core machine with the defaults).
+[--out docs/benchmarks.md]` (about 15 minutes on a quiet 2-core machine with the defaults, once the compile cache
+is warm; `--starts-only` times our servers' starts with a cold and a warm compile cache instead: loadtest/peer/
+starts.py, about 15 minutes for both models).
 
 Arms (loadtest/peer/servers.py), one server at a time, each start a fresh process, the arms' order rotated from
 one start to the next: ours-local (app.api.local, shipped engine defaults, 2 torch threads), ours-ray (`serve
@@ -48,6 +50,7 @@ from app.models.tokenizer import Tokenizer
 from loadtest.bench_engine import corpus_ids
 from loadtest.common import RESULTS, median, start_run, table
 from loadtest.peer import client, gguf, llama, servers
+from loadtest.peer import starts as start_times
 from loadtest.sections import publish
 from loadtest.serve_harness import free_port
 
@@ -228,12 +231,14 @@ def main(argv=None) -> None:
                    help="ours-local's --engine knobs (an experiment: its own variant)")
     p.add_argument("--quick", action="store_true", help="1 start, 1 repeat, 3 agreement prompts; saved under the "
                    "temp directory, never into loadtest/results or --out")
+    p.add_argument("--starts-only", action="store_true",
+                   help="only time our servers' starts, with a cold and a warm compile cache (loadtest/peer/starts.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick and args.out:
         p.error("--quick runs are for development: no --out")
     starts, repeats, agree = (1, 1, 3) if args.quick else (args.starts, args.repeats, 5)
-    if "llama" in args.arms:
+    if "llama" in args.arms and not args.starts_only:
         llama.ensure_server()
     run = start_run("bench_peer", {"models": args.models, "arms": args.arms, "starts": starts, "repeats": repeats,
                                    "threads": servers.THREADS, "llama": llama.PIN,
@@ -242,7 +247,11 @@ def main(argv=None) -> None:
     print(run.machine, run.config, sep="\n", flush=True)
     directory = Path(tempfile.gettempdir()) / "bench_peer_quick" if args.quick else RESULTS
     with tempfile.TemporaryDirectory(prefix="bench_peer-") as logdir:
-        for model in args.models:
+        for model in args.models if args.starts_only else ():
+            res = start_times.time_starts(model, args.arms, Path(logdir), lambda s: print(s, flush=True))
+            publish(run, f"{model}/starts", res, start_times.markdown(res), args.out,
+                    "Peer: our server vs llama.cpp's llama-server", f"{model}: start times", directory)
+        for model in () if args.starts_only else args.models:
             res = bench_model(model, args.arms, starts, repeats, agree, args.local_engine, Path(logdir),
                               lambda s: print(s, flush=True))
             variant = model

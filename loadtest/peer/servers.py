@@ -198,7 +198,7 @@ def launch(arm: str, cmd: list[str], port: int, log: Path, env: dict | None = No
 
 
 def start(arm: str, model: str, port: int, logdir: Path, gguf: Path | None = None,
-          local_engine: dict | None = None, ray_engine: dict | None = None) -> Server:
+          local_engine: dict | None = None, ray_engine: dict | None = None, timeout: float = 900.0) -> Server:
     """A fresh server of `arm` for the zoo model `model` (llama: its GGUF file `gguf`); `local_engine`, `ray_engine`:
     engine knobs over the shipped ones of ours-local and ours-ray."""
     log = logdir / f"{arm}-{model}-{port}.log"
@@ -206,14 +206,15 @@ def start(arm: str, model: str, port: int, logdir: Path, gguf: Path | None = Non
         cmd = [sys.executable, "-m", "app.api.local", "--model", model, "--port", str(port)]
         if local_engine:
             cmd += ["--engine", json.dumps(local_engine)]
-        return launch(arm, cmd, port, log, env={"OMP_NUM_THREADS": str(THREADS)})
+        return launch(arm, cmd, port, log, env={"OMP_NUM_THREADS": str(THREADS)}, timeout=timeout)
     if arm == "ours-ray":
         tmp = Path(tempfile.mkdtemp(prefix="dpeer-", dir="/tmp"))  # short: Ray's socket paths must stay < 108
         config = tmp / "serve.yaml"
         config.write_text(yaml.safe_dump(ray_config(model, port, engine=ray_engine), sort_keys=False))
         serve = Path(sys.executable).with_name("serve")
         env = {"RAY_TMPDIR": str(tmp), "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_USAGE_STATS_ENABLED": "0"}
-        return launch(arm, [str(serve), "run", "--address", "local", str(config)], port, log, env=env, ray_tmp=tmp)
+        return launch(arm, [str(serve), "run", "--address", "local", str(config)], port, log, env=env, ray_tmp=tmp,
+                      timeout=timeout)
     if arm == "llama":
         if gguf is None:
             raise ValueError("the llama arm needs the model's GGUF file")
