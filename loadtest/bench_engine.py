@@ -346,8 +346,9 @@ def _ttft_markdown(rows: list[dict], args) -> str:
 
 def _host_markdown(rows: list[dict], args) -> str:
     legend = ("Host work per sequence per step, prefix cache on (loadtest/engine_host.py): *engine step* and "
-              "*model-only step* (the worker's %s decode step rerun on the engine's last inputs) in ms, medians of "
-              "%d repeats of 32 steps; *host*: median of the repeats' (engine step - model-only step) / batch.\n\n"
+              "*model-only step* (the worker's %s decode step rerun on the engine's last inputs) in ms, medians "
+              "over %d repeats of 8 blocks of 4 steps, each block followed by its model-only twin; *host*: median "
+              "of the blocks' (engine step - model-only step) / batch.\n\n"
               % ("compiled" if args.compile_decode else "eager padded", args.repeats))
     return legend + table(["batch", "engine step ms", "model-only ms", "host us/seq", "tok/s", "history bucket"],
                           [[r["batch"], r["step_ms"], r["model_ms"], r["host_us_per_seq"], r["tok_s"],
@@ -355,10 +356,10 @@ def _host_markdown(rows: list[dict], args) -> str:
 
 
 def _serving_markdown(m: dict, args) -> str:
-    legend = ("One 128-token answer to a 64-token prompt at one stream, ms per token (prefill included; medians of "
-              "%d; loadtest/engine_host.py): in the engine, through `app.api.local` (not streamed, streamed) and "
-              "through the Ray service (one replica); *over engine*: the serving path's cost per token.\n\n"
-              % args.repeats)
+    legend = ("One 128-token answer to a 64-token prompt at one stream, ms per token (prefill included; median of "
+              "%d answers per path; loadtest/engine_host.py): in the engine, through `app.api.local` (not streamed, "
+              "streamed) and through the Ray service (one replica); *over engine*: the serving path's cost per "
+              "token.\n\n" % (args.repeats * 6))
     rows = [[arm, m[arm], m[arm] - m["engine"]] for arm in ("engine", *SERVING_ARMS) if arm in m]
     return legend + table(["path", "ms/token", "over engine ms/token"], rows)
 

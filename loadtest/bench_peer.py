@@ -13,11 +13,14 @@ llama-server is built once outside the repository (loadtest/peer/llama.py). Ever
 prompts, cut from the held-out corpus (bench_engine.corpus_ids), through POST /v1/completions, greedy, with
 ignore_eos and exactly the asked number of tokens back (loadtest/peer/client.py checks `usage`).
 
-Per start, after an untimed warm-up, --repeats times, each repeat on prompts no server has seen in that start:
+Per start, after an untimed warm-up, --repeats times, each repeat on prompts no server has seen in that start and
+after an untimed request of its own (a server's threads have slept through the pause between repeats):
   - decode: aggregate output tokens/s of 1, 4 and 16 concurrent non-streamed requests (64-token prompts, 128 new
-    tokens each), from the first send to the last answer;
-  - cold TTFT: one request of 512, 2048 and 3072 prompt tokens, max_tokens 1 (llama: cache_prompt false too);
-  - latency: one 128-token answer to a 64-token prompt, end to end;
+    tokens each), from the first send to the last answer, over 8, 2 and 1 such rounds one after another (single
+    100 ms answers scatter by +-30% on these VMs);
+  - cold TTFT: the median of 3 requests of 512, 2048 and 3072 prompt tokens, max_tokens 1 (llama: cache_prompt
+    false too);
+  - latency: the median of 5 single 128-token answers to 64-token prompts, end to end;
   - ITL p99: 16 streamed requests at once, the 99th percentile of their inter-token gaps (client.py);
 and once per start: greedy agreement (5 prompts x 32 tokens, ids as each server reports them, no ignore_eos),
 start time (launch to the first /health 200) and the RSS of the server's processes after the run.
@@ -55,7 +58,9 @@ from loadtest.sections import publish
 from loadtest.serve_harness import free_port
 
 STREAMS = (1, 4, 16)
+ROUNDS = {1: 8, 4: 2, 16: 1}  # sequential rounds of c concurrent requests per repeat: 8-16 answers each
 TTFT_LENGTHS = (512, 2048, 3072)
+TTFT_SAMPLES, E2E_SAMPLES = 3, 5  # single requests per repeat, median taken
 PROMPT, NEW, AGREE_TOKENS, ITL_STREAMS = 64, 128, 32, 16
 OURS = ("ours-local", "ours-ray")
 FIGURES = [f"decode_{c}" for c in STREAMS] + [f"ttft_{n}" for n in TTFT_LENGTHS] + ["e2e", "itl_p99"]
@@ -98,14 +103,17 @@ def plan_prompts(ids: list[int], repeats: int, agree: int) -> dict:
 
     plan = {"warm": take(512), "agree": [take(PROMPT) for _ in range(agree)], "repeats": []}
     for _ in range(repeats):
-        plan["repeats"].append({"decode": {c: [take(PROMPT) for _ in range(c)] for c in STREAMS},
-                                "ttft": {n: take(n) for n in TTFT_LENGTHS}, "e2e": take(PROMPT),
-                                "itl": [take(PROMPT) for _ in range(ITL_STREAMS)]})
+        plan["repeats"].append({
+            "warm": take(PROMPT),
+            "decode": {c: [[take(PROMPT) for _ in range(c)] for _ in range(ROUNDS[c])] for c in STREAMS},
+            "ttft": {n: [take(n) for _ in range(TTFT_SAMPLES)] for n in TTFT_LENGTHS},
+            "e2e": [take(PROMPT) for _ in range(E2E_SAMPLES)], "itl": [take(PROMPT) for _ in range(ITL_STREAMS)]})
     return plan
 
 
 def plan_tokens(repeats: int, agree: int) -> int:
-    return 512 + agree * PROMPT + repeats * (PROMPT * (sum(STREAMS) + 1 + ITL_STREAMS) + sum(TTFT_LENGTHS))
+    per_repeat = PROMPT * (1 + sum(c * ROUNDS[c] for c in STREAMS) + E2E_SAMPLES + ITL_STREAMS)
+    return 512 + agree * PROMPT + repeats * (per_repeat + TTFT_SAMPLES * sum(TTFT_LENGTHS))
 
 
 async def measure(server: servers.Server, plan: dict, vocab: client.Vocab, say) -> dict:
@@ -116,12 +124,14 @@ async def measure(server: servers.Server, plan: dict, vocab: client.Vocab, say) 
         agree = [await client.greedy_ids(c, url, arm, p, AGREE_TOKENS, vocab) for p in plan["agree"]]
         reps = []
         for r, rp in enumerate(plan["repeats"]):
+            await client.complete(c, url, arm, rp["warm"], 16)  # untimed: the server's threads awake after the pause
             fig = {}
-            for n, prompts in rp["decode"].items():
-                fig[f"decode_{n}"] = n * NEW / await client.concurrent(c, url, arm, prompts, NEW)
-            for n, prompt in rp["ttft"].items():
-                fig[f"ttft_{n}"] = await client.complete(c, url, arm, prompt, 1, cold=True)
-            fig["e2e"] = await client.complete(c, url, arm, rp["e2e"], NEW)
+            for n, rounds in rp["decode"].items():  # aggregate tokens/s over the rounds, one after another
+                fig[f"decode_{n}"] = n * NEW * len(rounds) / sum([await client.concurrent(c, url, arm, prompts, NEW)
+                                                                 for prompts in rounds])
+            for n, prompts in rp["ttft"].items():
+                fig[f"ttft_{n}"] = median([await client.complete(c, url, arm, p, 1, cold=True) for p in prompts])
+            fig["e2e"] = median([await client.complete(c, url, arm, p, NEW) for p in rp["e2e"]])
             fig["itl_p99"] = percentile(await client.streams(c, url, arm, rp["itl"], NEW), 99)
             say(f"  {arm} repeat {r}: " + ", ".join(f"{k} {v:.1f} tok/s" if k.startswith("decode") else
                                                     f"{k} {v * 1e3:.1f} ms" for k, v in fig.items()))

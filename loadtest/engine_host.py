@@ -1,16 +1,18 @@
 """bench_engine's `host` and `serving` sections: where a decode token's time goes besides the model.
 
 host: the engine's host work per sequence per step, with the prefix cache on. B sequences (64-token prompts from
-the held-out corpus) decode together; each repeat times `steps` engine steps, then the same number of model-only
-steps: the worker's padded decode step (eager, or the compiled package) rerun on the inputs of the engine's last
-step, prebuilt (`DecodeGraphs.rerun_last`). Host work per sequence = (engine step - model-only step) / B: the
-scheduler, the step's inputs, picks, outputs, checkpoints and telemetry. The row is the median of the repeats'
-own differences.
+the held-out corpus) decode together; each repeat times blocks of `block` engine steps, each followed at once by as
+many model-only steps: the worker's padded decode step (eager, or the compiled package) rerun on the inputs of the
+engine's last step, prebuilt (`DecodeGraphs.rerun_last`). Host work per sequence = (engine step - model-only
+step) / B: the scheduler, the step's inputs, picks, outputs, checkpoints and telemetry, and what they cost the
+model step in caches. The row is the median over every block of every repeat (a block and its model-only twin
+are timed within milliseconds of each other, which this VM's drifting speed needs).
 
 serving: milliseconds per token of one 128-token answer to a 64-token prompt, at one stream: in the engine
 (`Engine.generate`), through `app.api.local` (not streamed, and streamed), and through the Ray service (`serve run`
-of configs/config.yaml with one replica of the same thread count), each the median of its repeats; servers
-started by loadtest/peer/servers.py. The time includes the prompt's prefill, the same in every arm.
+of configs/config.yaml with one replica of the same thread count), each the median of `SAMPLES` answers per
+repeat and of its repeats; servers started by loadtest/peer/servers.py. The time includes the prompt's prefill,
+the same in every arm.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from app.engine.request import SamplingParams
 from loadtest.common import median, timed
 
 PROMPT, NEW = 64, 128
+SAMPLES = 6  # answers per repeat and path
 
 
-def bench_host(model, tok, prompts_source: list[int], batches, repeats: int, place, steps: int = 32,
+def bench_host(model, tok, prompts_source: list[int], batches, repeats: int, place, blocks: int = 8, block: int = 4,
                say=print) -> list[dict]:
     rows = []
     for b in batches:
-        budget = 16 + (repeats + 1) * steps
+        budget = 16 + (repeats * blocks + 1) * block
         engine = Engine(model, tok, place.config(max_running=b, kv_slots=b * (PROMPT + budget) + 64,
                                                  max_tokens_per_step=max(2048, 4 * b)))
         graphs = engine.worker.graphs
@@ -48,12 +51,12 @@ def bench_host(model, tok, prompts_source: list[int], batches, repeats: int, pla
         for _ in range(8):  # warm: every sequence decodes
             engine.step()
         step_s, floor_s, host = [], [], []
-        for _ in range(repeats):
+        for _ in range(repeats * blocks):
             before = graphs.replays
-            t_step = timed(_repeat, engine.step, steps)[0] / steps
-            if graphs.replays - before != steps or graphs.last[0] != bucket(b):
+            t_step = timed(_repeat, engine.step, block)[0] / block
+            if graphs.replays - before != block or graphs.last[0] != bucket(b):
                 raise RuntimeError("a timed step was not a pure decode step of the whole batch")
-            t_floor = timed(_repeat, graphs.rerun_last, steps)[0] / steps
+            t_floor = timed(_repeat, graphs.rerun_last, block)[0] / block
             step_s.append(t_step)
             floor_s.append(t_floor)
             host.append((t_step - t_floor) / b)
@@ -75,7 +78,8 @@ def bench_serving(model_name: str, model, tok, prompts_source: list[int], repeat
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     engine = Engine(model, tok, place.config())
     engine.generate([prompts_source[PROMPT : 2 * PROMPT]], params)  # warm
-    out = {"engine": median([timed(engine.generate, [prompt], params)[0] for _ in range(repeats)]) / NEW * 1e3}
+    out = {"engine": median([timed(engine.generate, [prompt], params)[0]
+                             for _ in range(repeats * SAMPLES)]) / NEW * 1e3}
     say({"engine_ms_per_token": out["engine"]})
     knobs = {"compile_decode": place.compiled, "compile_prefill": place.compiled}
     for arm in ("local", "ray"):
@@ -105,7 +109,7 @@ async def _answers(url: str, prompt: list[int], repeats: int, stream: bool) -> l
     body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "stream": stream}
     times = []
     async with httpx.AsyncClient(timeout=600) as c:
-        for r in range(repeats + 1):  # the first answer warms the server
+        for r in range(repeats * SAMPLES + 1):  # the first answer warms the server
             t0 = time.perf_counter()
             if stream:
                 async with c.stream("POST", f"{url}/v1/completions", json=body) as resp:

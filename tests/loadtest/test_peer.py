@@ -17,7 +17,9 @@ from app.models.loader import ZOO_DIR, load_model
 from app.models.tokenizer import Tokenizer
 from deployments.builder import ServeArgs
 from loadtest.bench_peer import (
+    E2E_SAMPLES,
     PROMPT,
+    ROUNDS,
     STREAMS,
     TTFT_LENGTHS,
     matches,
@@ -106,10 +108,11 @@ def test_the_prompt_plan_uses_distinct_slices_of_the_asked_lengths():
     plan = plan_prompts(ids, 2, 3)
     pieces = [plan["warm"], *plan["agree"]]
     for rep in plan["repeats"]:
-        assert [len(rep["decode"][c]) for c in STREAMS] == list(STREAMS)
-        assert [len(rep["ttft"][n]) for n in TTFT_LENGTHS] == list(TTFT_LENGTHS)
-        pieces += [p for c in STREAMS for p in rep["decode"][c]] + list(rep["ttft"].values()) + [rep["e2e"]]
-        pieces += rep["itl"]
+        assert [[len(r) for r in rep["decode"][c]] for c in STREAMS] == [[c] * ROUNDS[c] for c in STREAMS]
+        assert [{len(p) for p in rep["ttft"][n]} for n in TTFT_LENGTHS] == [{n} for n in TTFT_LENGTHS]
+        assert len(rep["e2e"]) == E2E_SAMPLES and len(rep["warm"]) == PROMPT
+        pieces += [rep["warm"], *(p for c in STREAMS for r in rep["decode"][c] for p in r)]
+        pieces += [p for n in TTFT_LENGTHS for p in rep["ttft"][n]] + rep["e2e"] + rep["itl"]
     flat = [t for p in pieces for t in p]
     assert sorted(flat) == ids  # every id once: no prompt shares a token position with another
     assert all(len(p) == PROMPT for p in plan["agree"])
