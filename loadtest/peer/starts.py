@@ -1,6 +1,7 @@
 """bench_peer's `--starts-only` mode: how long our servers take to start with a cold and with a warm compile cache.
 
-Cold: ours-local on a new, empty compile cache directory (a private temporary directory), so that every decode
+Eager: ours-local with both compile knobs off, the start a compiled one is measured against. Cold: ours-local on
+a new, empty compile cache directory (a private temporary directory), so that every decode
 package and prefill core compiles; then warm: ours-local again on that same directory, now full. Each is timed
 from launch to the first /health 200, and /status reports what the engine compiled and loaded. The ours-ray arm
 (one replica) is timed on the default cache, which the cold start above does not touch: its start is warm when
@@ -21,11 +22,13 @@ COLD_TIMEOUT_S = 1800.0  # a cold start compiles every package: minutes on two c
 
 
 def time_starts(model: str, arms: list[str], logdir: Path, say=print) -> dict:
-    """{"cold": {...}, "warm": {...}, "ray": {...}}: start seconds and the engine's compile report of each start."""
+    """{"eager"|"cold"|"warm"|"ray": {...}}: start seconds and the engine's compile report of each start."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="dasc-cold-cache-") as cache:
-        for label in ("cold", "warm"):
-            server = servers.start("ours-local", model, free_port(), logdir, local_engine={"compile_cache_dir": cache},
+        for label in ("eager", "cold", "warm"):
+            knobs = ({"compile_decode": False, "compile_prefill": False} if label == "eager"
+                     else {"compile_cache_dir": cache})
+            server = servers.start("ours-local", model, free_port(), logdir, local_engine=knobs,
                                    timeout=COLD_TIMEOUT_S)
             try:
                 out[label] = {"start_s": server.start_s, **_compile_report(server.url)}
@@ -52,7 +55,8 @@ def _compile_report(url: str) -> dict:
 def markdown(res: dict) -> str:
     rows = [f"| {label} | {r['start_s']:.1f} | {r.get('packages_compiled', '-')} | {r.get('packages_loaded', '-')} | "
             f"{r['compile_s']:.1f} |" if "compile_s" in r else f"| {label} | {r['start_s']:.1f} | - | - | - |"
-            for label, r in (("ours-local, cold cache", res["cold"]), ("ours-local, warm cache", res["warm"]),
+            for label, r in (*((("ours-local, eager (compile knobs off)", res["eager"]),) if "eager" in res else ()),
+                             ("ours-local, cold cache", res["cold"]), ("ours-local, warm cache", res["warm"]),
                              *((("ours-ray (1 replica), default cache", res["ray"]),) if "ray" in res else ()))]
     return ("Start time, launch to the first /health 200, and what the engine compiled (decode packages and prefill "
             "cores together):\n\n| start | seconds | packages compiled | packages loaded | compile s |\n"
