@@ -136,14 +136,15 @@ def start_run(script: str, config: dict, argv: list[str] | None = None, device: 
 
 
 def git_commit(repo: Path = REPO) -> str:
-    """HEAD's short hash, plus "-dirty" when tracked files other than benchmark outputs (loadtest/results/,
-    docs/) differ from it; "unknown" outside a git checkout."""
+    """HEAD's short hash, plus "-dirty" when tracked files other than benchmark outputs and prose (loadtest/results/,
+    docs/, README.md) differ from it; "unknown" outside a git checkout."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!loadtest/results", ":!docs")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!loadtest/results", ":!docs",
+                    ":!README.md")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")

@@ -21,11 +21,11 @@ import inspect
 import time
 import types
 
-import numpy as np
 import torch
 
 from app.cache.pools import KVStorage, PagedKV, StateStorage
 from app.engine.aot import AotStep, ArtifactCache, CompileReport, artifact_key, build_package
+from app.engine.decode_inputs import DecodeInputs
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout
 from app.models.hybrid import HybridForCausalLM
@@ -39,44 +39,6 @@ CPU_OPTIONS = {"freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_b
 def bucket(n: int, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor)."""
     return max(floor, 1 << (n - 1).bit_length())
-
-
-class DecodeInputs:
-    """The input buffers of one (b, s) bucket: `head` [4, b] rows ids, positions, state slots, KV write slots;
-    `kv_read` [b, s]. Two tensors, not views of one: a compiled step pays per call for inputs that alias. A step's
-    values are written in numpy (`write`): straight into the buffers on the CPU, into pinned host twins copied
-    without blocking to a GPU."""
-
-    def __init__(self, b: int, s: int, fill: int, scratch_state: int, device: torch.device) -> None:
-        self.head = torch.zeros((4, b), dtype=torch.long, device=device)
-        self.head[2].fill_(scratch_state)
-        self.head[3].fill_(fill)
-        self.kv_read = torch.full((b, s), fill, dtype=torch.long, device=device)
-        self.pad = np.array([0, 0, scratch_state, fill], dtype=np.int64)[:, None]
-        self.fill_value = fill
-        host = (self.head, self.kv_read) if device.type == "cpu" else \
-            (self.head.cpu().pin_memory(), self.kv_read.cpu().pin_memory())
-        self._host = host
-        self._np = tuple(t.numpy() for t in host)
-
-    def write(self, batch: StepBatch) -> None:
-        """A step's values (`DecodeGraphs.handles` accepts the batch): row i is sequence i, its KV history and
-        then its new slot; the rows past the batch and each row's tail read and write the scratch slots."""
-        head, kv = self._np
-        n = len(batch.extend_lens)
-        head[0, :n], head[1, :n], head[2, :n] = batch.token_ids, batch.cached_lens, batch.state_slots
-        new = [w.numpy() for w in batch.new_slots]
-        head[3, :n] = np.concatenate(new)
-        head[:, n:] = self.pad
-        for row, hist, slot in zip(kv, batch.history, new):
-            at = hist.numel()
-            row[:at] = hist.numpy()
-            row[at] = slot[0]
-            row[at + 1 :] = self.fill_value
-        kv[n:] = self.fill_value
-        if self.head.is_cuda:
-            for dst, src in zip((self.head, self.kv_read), self._host):
-                dst.copy_(src, non_blocking=True)
 
 
 @torch.no_grad()

@@ -22,9 +22,8 @@ class Outputs:
     def append(self, seq: Sequence, token: int, logprobs=None) -> tuple[RequestOutput, str | None]:
         """Record a sampled token: (its output, why the sequence ends here or None). The caller finishes the
         sequence (a verify piece does so after its rollback)."""
-        now = time.perf_counter()
         if seq.first_token_time is None:
-            seq.first_token_time = now
+            seq.first_token_time = time.perf_counter()
             seq.decoder = self.tokenizer.incremental_decoder()
         seq.output_ids.append(token)
         p = seq.params

@@ -174,6 +174,12 @@ class Sequence:
         """[num_computed] int64 KV slot ids (a view: replaced, never changed in place, by later appends)."""
         return torch.from_numpy(self._kv[: self._kv_len])
 
+    @property
+    def kv_key(self) -> np.ndarray:
+        """The buffer of the slot ids: the same object for as long as `kv_slots` only grows at its end (a new one
+        when it is replaced or outgrows it), so equal keys and lengths mean equal slot ids (`DecodeInputs`)."""
+        return self._kv
+
     @kv_slots.setter
     def kv_slots(self, slots: torch.Tensor) -> None:
         self._kv = slots.numpy().copy() if isinstance(slots, torch.Tensor) else np.array(slots, dtype=np.int64)
@@ -186,7 +192,10 @@ class Sequence:
             grown = np.empty(max(end, 2 * len(self._kv), 64), dtype=np.int64)
             grown[: self._kv_len] = self._kv[: self._kv_len]
             self._kv = grown
-        self._kv[self._kv_len : end] = new
+        if end - self._kv_len == 1:  # a decode step's one slot
+            self._kv[self._kv_len] = new[0]
+        else:
+            self._kv[self._kv_len : end] = new
         self._kv_len = end
 
     @property
@@ -223,11 +232,14 @@ class Sequence:
         return min(self.num_tokens, self.num_computed + budget)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """What the engine reports for a sequence after a step: the new tokens and text, and at the end why.
     `output_ids` (every output token) is filled in the final output only: copied with every token, it would
-    cost O(n) per token, O(n^2) per output. `text` is the text so far (a string the engine keeps anyway)."""
+    cost O(n) per token, O(n^2) per output. `text` is the text so far (a string the engine keeps anyway).
+    Treated as immutable (`dataclasses.replace` makes changed copies), but not frozen: a frozen dataclass's
+    constructor sets each field through `object.__setattr__`, 2.3 us against 0.6 per output, every token of
+    every sequence."""
 
     request_id: str
     index: int

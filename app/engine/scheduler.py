@@ -64,8 +64,9 @@ class Scheduler:
 
     def _plan(self, works: list[Work]) -> None:
         budget = self.cfg.max_tokens_per_step
-        decoding = [s for s in self.running if s.num_computed >= s.num_tokens - 1]
-        prefilling = [s for s in self.running if s.num_computed < s.num_tokens - 1]
+        decoding, prefilling = [], []
+        for s in self.running:
+            (decoding if s.num_computed >= s.num_tokens - 1 else prefilling).append(s)
         if decoding and len(decoding) <= budget:  # one token each (and drafts): one allocation for all of them
             drafts = self._drafts(decoding, budget)
             sizes = [1 + len(d) for d in drafts]

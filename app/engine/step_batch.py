@@ -30,6 +30,9 @@ class StepBatch:
     # speculative verify pieces (the last token and k >= 1 drafts): every row of theirs comes back in the want
     # order (argmax tokens or logits, as `greedy` marks the piece), and their states wait for `Worker.rollback`
     verify: tuple[int, ...] = ()
+    # per sequence: what identifies its `history` buffer across steps (`Sequence.kv_key`), so that a persistent
+    # input row written from it at the previous step is known to need only the newest slot (`DecodeInputs`)
+    history_keys: tuple = ()
 
 
 def step_inputs(works: list, keep_logits: bool = False) -> StepBatch:
@@ -62,7 +65,8 @@ def step_inputs(works: list, keep_logits: bool = False) -> StepBatch:
         snapshots = tuple(at.get(i, ()) for i in range(len(works)))
     return StepBatch(tokens, tuple(w.end - w.start for w in works), tuple(w.start for w in works),
                      [w.seq.kv_slots for w in works], [w.new_slots for w in works], [w.seq.state_slot for w in works],
-                     want, snapshots, tuple(greedy), tuple(every), tuple(verify))
+                     want, snapshots, tuple(greedy), tuple(every), tuple(verify),
+                     tuple(w.seq.kv_key for w in works))
 
 
 def split_rows(works: list, batch: StepBatch, tokens: list[int], logits: torch.Tensor) -> tuple[dict, dict]:

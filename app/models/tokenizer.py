@@ -166,7 +166,8 @@ class IncrementalDecoder:
 
     def push(self, ids: int | Iterable[int]) -> str:
         """Feed new ids; returns the text they complete (possibly "")."""
-        ids = [ids] if isinstance(ids, int) else ids
+        if isinstance(ids, int):  # one token a step: no list, no join
+            return self._utf8.decode(self._tokenizer.token_bytes(ids, self._skip))
         data = b"".join(self._tokenizer.token_bytes(i, self._skip) for i in ids)
         return self._utf8.decode(data)
 
