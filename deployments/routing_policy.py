@@ -83,6 +83,8 @@ class Candidate:
     resume: int = 0  # tokens a hit recomputes (the dasc-wr replay window)
     tail: int = 0  # tokens before a branch point or prompt end where the engine stores its checkpoint (nr tail)
     prompt_ends: bool = True  # whether it stores every prompt's end (admission "always"), or only seen ones
+    lookback: int = 0  # it also checkpoints each prompt this many tokens before that (EngineConfig.lookback)
+    lookback_align: int = 16
     token_s: float | None = None  # measured step cost per token; None: RouterKnobs.token_s
     fixed_s: float | None = None  # measured step cost whatever its tokens
     step_tokens: int | None = None  # the replica's token budget per step
@@ -105,7 +107,9 @@ def expected_marks(c: Candidate, chain: list[int], tokens: list[int] | int, p: P
     """The checkpoints this request will have replica `c` store, as marks (`checkpoint_mark`), given its
     prediction `p` there: the branch checkpoint where it leaves the KV shared beyond its checkpoint (whole blocks,
     `c.tail` tokens early), and with the prompt's ids, its prompt end (`c.tail` tokens early, where a repeat or the
-    conversation's next turn resumes) when the replica admits prompt ends and it lies beyond the branch."""
+    conversation's next turn resumes) when the replica admits prompt ends and it lies beyond the branch, and its
+    lookback checkpoint (`c.lookback` tokens before that, aligned down), where the next prompt that differs only in
+    its last tokens resumes: a burst of queries on a new header goes where the first one's checkpoint will be."""
     out, below = [], p.checkpointed
     blocks = max(0, p.kv - c.tail) // block
     if blocks * block > p.checkpointed:
@@ -113,9 +117,11 @@ def expected_marks(c: Candidate, chain: list[int], tokens: list[int] | int, p: P
         below = blocks * block
     if c.prompt_ends and not isinstance(tokens, int):
         at = len(tokens) - 1 - c.tail
-        k = min(at // block, len(chain))
-        if k and at > below:
-            out.append((chain[k - 1], at - k * block, tail_hash(chain[k - 1], tokens[k * block : at])))
+        back = (at - c.lookback) // c.lookback_align * c.lookback_align if c.lookback else 0
+        for pos in (at, back):
+            k = min(pos // block, len(chain))
+            if k and pos > below:
+                out.append((chain[k - 1], pos - k * block, tail_hash(chain[k - 1], tokens[k * block : pos])))
     return out
 
 
@@ -268,7 +274,8 @@ class RouterMemory:
             replica_id, held[2] | frozenset(routed) if routed else held[2], marks,
             queued=int(stats.get("prefill_tokens", 0)) + sent, decoding=int(stats.get("decoding", 0)),
             resume=int(stats.get("resume_tokens", 0)), tail=int(stats.get("tail_tokens", 0)),
-            prompt_ends=bool(stats.get("prompt_ends", True)),
+            prompt_ends=bool(stats.get("prompt_ends", True)), lookback=int(stats.get("lookback", 0)),
+            lookback_align=int(stats.get("lookback_align", 16)),
             token_s=stats.get("step_token_s"), fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
             queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
             recent=sum(1 for r in self._recent if r == replica_id))

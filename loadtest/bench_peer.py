@@ -32,7 +32,10 @@ start above 0.2 is flagged NOISY): with one other busy process on a 2-core machi
 thread pool far less, so a run on a shared machine says little about either.
 Results: loadtest/results/bench_peer_cpu.json, one variant per model (`<model>/local-engine-<hash>` with
 --local-engine); --out DOC replaces their blocks in DOC. --quick (1 start, 1 repeat, 3 agreement prompts, for
-development) saves under the temp directory instead and takes no --out.
+development) saves under the temp directory instead and takes no --out. --starts-only times our starts on a cold
+and a warm compile cache (loadtest/peer/starts.py); --fewshot runs only the few-shot row, queries on new headers
+against llama-server at its default micro-batch and at -ub 128 (loadtest/peer/fewshot.py, variant
+`<model>/fewshot`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from app.models.loader import resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.bench_engine import corpus_ids
 from loadtest.common import RESULTS, median, start_run, table
-from loadtest.peer import client, gguf, llama, servers
+from loadtest.peer import client, fewshot, gguf, llama, servers
 from loadtest.peer import starts as start_times
 from loadtest.sections import publish
 from loadtest.serve_harness import free_port
@@ -243,12 +246,15 @@ def main(argv=None) -> None:
                    "temp directory, never into loadtest/results or --out")
     p.add_argument("--starts-only", action="store_true",
                    help="only time our servers' starts, with a cold and a warm compile cache (loadtest/peer/starts.py)")
+    p.add_argument("--fewshot", action="store_true",
+                   help="only the few-shot row: new headers' queries, ours vs llama-server at -ub 512 and 128 "
+                        "(loadtest/peer/fewshot.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick and args.out:
         p.error("--quick runs are for development: no --out")
     starts, repeats, agree = (1, 1, 3) if args.quick else (args.starts, args.repeats, 5)
-    if "llama" in args.arms and not args.starts_only:
+    if "llama" in args.arms and not args.starts_only:  # (the few-shot row's llama arms too)
         llama.ensure_server()
     run = start_run("bench_peer", {"models": args.models, "arms": args.arms, "starts": starts, "repeats": repeats,
                                    "threads": servers.THREADS, "llama": llama.PIN,
@@ -261,7 +267,15 @@ def main(argv=None) -> None:
             res = start_times.time_starts(model, args.arms, Path(logdir), lambda s: print(s, flush=True))
             publish(run, f"{model}/starts", res, start_times.markdown(res), args.out,
                     "Peer: our server vs llama.cpp's llama-server", f"{model}: start times", directory)
-        for model in () if args.starts_only else args.models:
+        for model in args.models if args.fewshot else ():
+            tok = Tokenizer.from_dir(resolve_model_dir(model))
+            ids = corpus_ids(tok, starts * fewshot.tokens_per_start())
+            arms = [a for a in fewshot.ARMS if a.split("-ub")[0] in args.arms]
+            model_file = gguf.convert(model, resolve_model_dir(model)) if "llama" in args.arms else None
+            res = fewshot.bench(model, ids, starts, arms, Path(logdir), model_file, lambda s: print(s, flush=True))
+            publish(run, f"{model}/fewshot", res, fewshot.markdown(res), args.out,
+                    "Peer: our server vs llama.cpp's llama-server", f"{model}: few-shot headers", directory)
+        for model in () if args.starts_only or args.fewshot else args.models:
             res = bench_model(model, args.arms, starts, repeats, agree, args.local_engine, Path(logdir),
                               lambda s: print(s, flush=True))
             variant = model

@@ -24,7 +24,7 @@ from app.models.tokenizer import Tokenizer
 
 # where this server's engine differs from EngineConfig's defaults (which tests and embedders get): as shipped in
 # configs/config.yaml
-SERVER_DEFAULTS = {"compile_decode": True, "compile_prefill": True}
+SERVER_DEFAULTS = {"compile_decode": True, "compile_prefill": True, "lookback": 64}
 
 
 class LocalBackend:

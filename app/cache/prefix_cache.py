@@ -31,11 +31,23 @@ class CacheCounters:
     kv_evicted_tokens: int = 0
     skipped_stores: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+    reused_by_kind: dict[str, int] = field(default_factory=dict)  # checkpoints loaded at least once
+    unused_drops_by_kind: dict[str, int] = field(default_factory=dict)  # left the pool never loaded
+
+    def reuse(self, live: list) -> dict[str, dict[str, int]]:
+        """Per kind of checkpoint: stored, reused (loaded at least once), never reused (left the pool without a
+        load, or in it unloaded now: `live`, the tree's checkpointed nodes), and loads."""
+        out = {}
+        for kind, stored in self.by_kind.items():
+            waiting = sum(1 for n in live if n.ckpt_kind == kind and n.ckpt_loads == 0)
+            out[kind] = {"stored": stored, "reused": self.reused_by_kind.get(kind, 0),
+                         "never_reused": self.unused_drops_by_kind.get(kind, 0), "unused_in_pool": waiting}
+        return out
 
 
 class PrefixCache:
     def __init__(self, kv: KVSlots, checkpoints: CheckpointPool, admission: str = "always", select=lru_select):
-        self.tree = RadixTree()
+        self.tree = RadixTree(on_drop=self._dropped)
         self.kv = kv
         self.checkpoints = checkpoints
         self.admission = admission
@@ -108,7 +120,7 @@ class PrefixCache:
         except BaseException:  # the worker failed to write it: the slot goes back, the node stays without one
             self.checkpoints.free(slot)
             raise
-        self.tree.set_checkpoint(node, slot)
+        self.tree.set_checkpoint(node, slot, kind)
         self.counters.stores += 1
         self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
         return True
@@ -117,7 +129,17 @@ class PrefixCache:
         """The slot of `node`'s checkpoint, for a worker to copy into a fresh active state (copy-on-write:
         the stored one never changes)."""
         self.counters.loads += 1
+        if node.ckpt_loads == 0 and node.ckpt_kind is not None:
+            kinds = self.counters.reused_by_kind
+            kinds[node.ckpt_kind] = kinds.get(node.ckpt_kind, 0) + 1
+        node.ckpt_loads += 1
         return node.checkpoint
+
+    def _dropped(self, node: Node) -> None:
+        """A checkpoint leaves the pool: count it if it never served a load."""
+        if node.ckpt_loads == 0 and node.ckpt_kind is not None:
+            drops = self.counters.unused_drops_by_kind
+            drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, private: list[torch.Tensor] = ()) -> None:

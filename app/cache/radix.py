@@ -41,6 +41,8 @@ class Node:
     kv_access: int = 0  # refreshed along the path on every match and insert
     ckpt_access: int = 0  # refreshed only when this node's checkpoint is stored or used
     evicted: bool = False  # its checkpoint was evicted for room (until one is stored here again)
+    ckpt_kind: str | None = None  # why its checkpoint was stored (prompt_end, branch, lookback, ...)
+    ckpt_loads: int = 0  # times its checkpoint was loaded since it was stored
     salt: str | None = None  # a root's cache salt (other nodes: None; their root tells)
 
 
@@ -74,7 +76,10 @@ class InsertResult(NamedTuple):
 
 
 class RadixTree:
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[Node], None] | None = None) -> None:
+        """`on_drop(node)`: told of each checkpoint about to leave the tree (evicted, or dropped with its KV or
+        by `drop_checkpoints`), while the node still holds it: what telemetry counts as reused or never."""
+        self.on_drop = on_drop or (lambda node: None)
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self.root = self._new_root(None)
@@ -189,9 +194,12 @@ class RadixTree:
         upper.children[child.tokens[0]] = child
         return upper
 
-    def set_checkpoint(self, node: Node, slot: int) -> int | None:
-        """Attach checkpoint `slot` at `node`'s end; returns the slot it replaces (to free), if any."""
+    def set_checkpoint(self, node: Node, slot: int, kind: str | None = None) -> int | None:
+        """Attach checkpoint `slot` (stored for `kind`) at `node`'s end; returns the slot it replaces (to free),
+        if any. Setting the slot the node already holds refreshes it (its kind and loads stay)."""
         old, node.checkpoint, node.evicted = node.checkpoint, slot, False
+        if old != slot:
+            node.ckpt_kind, node.ckpt_loads = kind, 0
         node.ckpt_access = next(self._clock)
         return old
 
@@ -226,6 +234,7 @@ class RadixTree:
             freed.append(victim.kv)
             count += len(victim.kv)
             if victim.checkpoint is not None:
+                self.on_drop(victim)
                 ckpts.append(victim.checkpoint)
         return (torch.cat(freed) if freed else torch.zeros(0, dtype=torch.long)), ckpts
 
@@ -236,12 +245,15 @@ class RadixTree:
         if not candidates:
             return None
         victim = select(candidates)
+        self.on_drop(victim)
         slot, victim.checkpoint, victim.evicted = victim.checkpoint, None, True
         return slot
 
     def drop_checkpoints(self) -> None:
         """Forget every checkpoint (a new layout empties the pool), and which ones were evicted for room."""
         for node in self.nodes():
+            if node.checkpoint is not None:
+                self.on_drop(node)
             node.checkpoint, node.evicted = None, False
 
     # ------------------------------------------------------------------ inspection
@@ -289,3 +301,4 @@ def _common(edge: list[int], tokens: list[int], pos: int) -> int:
     while edge[n] == tokens[pos + n]:
         n += 1
     return n
+

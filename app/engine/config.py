@@ -64,6 +64,10 @@ class EngineConfig:
     checkpoint_slots: int | None = knob(None, "size the checkpoint pool by usable slots instead of a budget", ge=0)
     interval: int = knob(0, "checkpoint every N aligned tokens in prefill and decode (0: only prompt ends, branch "
                             "points and generation ends)", ge=0)
+    lookback: int = knob(0, "also checkpoint each prompt at least this many tokens before its prompt-end "
+                            "checkpoint (aligned down to lookback_align): where a request that shares all but the "
+                            "prompt's last tokens resumes, the first query on a new few-shot header (0: off)", ge=0)
+    lookback_align: int = knob(16, "alignment of lookback checkpoints, in tokens (the router's block size)", ge=1)
     admission: Admission = knob("always", "prompt-end checkpoints always, or second_hit: only for prefixes seen "
                                           "before")
     eviction: Eviction = knob("lru", "which checkpoint a full pool drops: lru, or flop_aware (Marconi)")

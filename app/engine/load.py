@@ -67,5 +67,6 @@ def load_report(engine) -> dict:
     fit = engine.telemetry.step_cost.fit()
     return {"prefill_tokens": int(prefill), "decoding": decoding, "resume_tokens": int(resume),
             "tail_tokens": cfg.tail, "prompt_ends": cfg.admission == "always",
+            "lookback": cfg.lookback, "lookback_align": cfg.lookback_align,
             "step_tokens": cfg.max_tokens_per_step, "step_fixed_s": None if fit is None else fit[0],
             "step_token_s": None if fit is None else fit[1]}

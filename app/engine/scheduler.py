@@ -229,7 +229,9 @@ class Scheduler:
     def _plan_cuts(self, seq: Sequence, match) -> dict[int, str]:
         """Checkpoint positions ahead of num_computed within the prompt: intervals, the branch points (where
         the KV match ends, and a stateless fork on the matched path; each unless the loaded checkpoint is
-        fewer than `checkpoint_min_gap` tokens above it), the prompt end (admission permitting) and, for n > 1,
+        fewer than `checkpoint_min_gap` tokens above it), the prompt end (admission permitting), a lookback
+        checkpoint at least `lookback` tokens before the prompt end (so that the next prompt sharing all of this
+        one but its last tokens, a new few-shot header's next query, resumes there) and, for n > 1,
         the fork point of the request's own samples. A prompt end fewer than `checkpoint_min_gap` tokens above
         the checkpoint the request loaded or the last cut before it is not stored: a repeat replays those few
         tokens from there (the prompts that share a header and differ in a short query do not each fill a slot
@@ -253,6 +255,11 @@ class Scheduler:
             if at > below + max(0, gap - 1) and \
                     self.cache.admit_prompt_end(seq.prompt_ids[:at], salt):
                 cuts[at] = "prompt_end"
+            if self.cfg.lookback:  # where a prompt that differs only in its last lookback tokens resumes
+                align = self.cfg.lookback_align
+                pos = (at - self.cfg.lookback) // align * align
+                if pos > below + max(0, gap - 1) and self.cache.admit_prompt_end(seq.prompt_ids[:pos], salt):
+                    cuts[pos] = "lookback"
         if seq.params.n > 1 and seq.index == 0 and prompt_end > seq.num_computed:
             cuts[prompt_end] = "fork"
         return {p: k for p, k in cuts.items() if p > seq.num_computed}

@@ -101,6 +101,7 @@ class Telemetry:
             "checkpoint_bytes_allocated": pool.allocated_bytes,
             "checkpoint_stores": c.stores,
             "checkpoint_stores_by_kind": dict(c.by_kind),
+            "checkpoint_reuse_by_kind": c.reuse([n for n in cache.tree.nodes() if n.checkpoint is not None]),
             "checkpoint_loads": c.loads,
             "checkpoint_evictions": c.checkpoint_evictions,
             "checkpoint_skipped_stores": c.skipped_stores,

@@ -151,6 +151,24 @@ def test_the_checkpoints_a_request_will_have_a_replica_store_are_its_branch_and_
     assert expected_marks(cold, CHAIN, 400, predict(cold, CHAIN, 400, KNOBS), 4) == []  # no ids: no tail hash
 
 
+def test_a_replica_with_lookback_is_expected_to_store_a_checkpoint_that_far_before_the_prompt_end():
+    """With `lookback` the engine also checkpoints each prompt lookback tokens (aligned down) before its prompt-end
+    checkpoint; the router expects it, so the next query on a new header (the same 380 tokens, a new end) is
+    predicted to resume there on the replica the first one went to, and goes there."""
+    cold = Candidate("a", lookback=16, lookback_align=8)
+    first = expected_marks(cold, CHAIN, PROMPT, predict(cold, CHAIN, PROMPT, KNOBS), 4)
+    assert first == [checkpoint_mark(PROMPT[:399], 4), checkpoint_mark(PROMPT[:376], 4)]  # (399 - 16) // 8 * 8
+    marks = {}
+    for h, r, tail in first:
+        marks[h] = marks.get(h, ()) + ((r, tail),)
+    query = PROMPT[:380] + [9000 + i for i in range(20)]  # shares the header, not the old query
+    chain = block_hashes(query, 4)
+    holder = replace(cold, known=frozenset(CHAIN), marks=marks)
+    assert predict(holder, chain, query, KNOBS).checkpointed == 376
+    assert predict(Candidate("b"), chain, query, KNOBS).checkpointed == 0
+    assert rank([holder, Candidate("b")], chain, query, KNOBS)[0] == ["a"]
+
+
 def test_a_replica_yet_to_measure_its_step_cost_is_priced_like_its_peers():
     """A just-started replica's cost is its measured peers' median, not the knobs' guess (1 ms a token here, 5x
     what the peers measure): with equal queues and no match, it is not shunned."""

@@ -158,3 +158,27 @@ def test_llama_requests_skip_prompt_reuse_only_when_cold():
     assert "cache_prompt" not in client.body("llama", [1, 2], 128)
     streamed = client.body("llama", [1, 2], 128, stream=True)
     assert streamed["stream"] and streamed["stream_options"] == {"include_usage": True} and streamed["ignore_eos"]
+
+
+def test_the_fewshot_plan_gives_each_start_new_headers_and_every_header_its_queries():
+    from loadtest.peer import fewshot
+
+    ids = list(range(2 * fewshot.tokens_per_start()))
+    runs = fewshot.plan(ids, 2)
+    for run in runs:
+        assert len(run["warm"]) == fewshot.HEADERS
+        assert all(len(w) == fewshot.HEADER + fewshot.QUERY for w in run["warm"])
+        assert sorted(h for h, _ in run["queries"]) == sorted(list(range(fewshot.HEADERS)) * fewshot.PER_HEADER)
+        for h, q in run["queries"]:
+            assert q[: fewshot.HEADER] == run["warm"][h][: fewshot.HEADER] and len(q) == fewshot.HEADER + fewshot.QUERY
+            assert q[fewshot.HEADER :] != run["warm"][h][fewshot.HEADER :]  # a new query on the header
+    assert not set(runs[0]["warm"][0]) & set(runs[1]["warm"][0])  # no header seen in an earlier start
+
+
+def test_cached_tokens_read_from_openai_usage_or_llama_timings():
+    from loadtest.peer.fewshot import cached_tokens
+
+    assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 464}}}) == 464
+    assert cached_tokens({"usage": {}, "timings": {"cache_n": 398}}) == 398
+    with pytest.raises(RuntimeError):
+        cached_tokens({"usage": {}})
