@@ -13,13 +13,14 @@ The checkpoint budget holds about 18 dense checkpoints per replica: less than th
 goes decides whether it hits. TTFT is the time to the first streamed chunk; the hit rate is token-weighted.
 Reported per workload and arm: the median over seeds of hit rate, mean TTFT, p90 TTFT and max/min requests per
 replica, and ratios against Ray's PrefixCacheAffinityRouter.
-Results: loadtest/results/bench_router_cpu.json, variant the model; --out DOC replaces that variant's block in
-DOC (loadtest/sections.py).
+Results: loadtest/results/bench_router_cpu.json, variant the model (with --engine JSON, engine knobs for every
+arm: `<model>/engine-<hash>`); --out DOC replaces that variant's block in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -37,7 +38,7 @@ REFERENCE = "prefix_affinity"
 def app_args(arm: str, replicas: int, args) -> dict:
     single = arm == "single"
     return {"model": args.model, "replicas": 1 if single else replicas, "replica_cpus": 0.5,
-            "engine": {"checkpoint_budget_mb": args.budget_mb * (replicas if single else 1)},
+            "engine": {**(args.engine or {}), "checkpoint_budget_mb": args.budget_mb * (replicas if single else 1)},
             "router": {"kind": "pow2" if single else arm, "stats_period_s": 1.0,
                        **(ours_knobs(args) if arm == "prefix" else {})},
             "controller": {"enabled": False}}
@@ -108,6 +109,9 @@ def main(argv=None) -> None:
     p.add_argument("--work-weight", type=float, default=None, help="ours: RouterKnobs.work_weight (default: the "
                    "router's)")
     p.add_argument("--budget-mb", type=float, default=2.0, help="per replica: about 18 dense kda-tiny checkpoints")
+    p.add_argument("--engine", type=json.loads, default=None, metavar="JSON",
+                   help="engine knobs for every arm (e.g. '{\"lookback\": 64}'): its own variant, "
+                        "<model>/engine-<hash>")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     record = start_run("bench_router", {k: v for k, v in vars(args).items() if k != "out"}, argv)
@@ -129,7 +133,12 @@ def main(argv=None) -> None:
             lines.append(f"- {workload[0]}, {workload[1]} replicas: ours vs PrefixCacheAffinityRouter: hit rate "
                          f"{v['hit_delta']:+.3f}, mean TTFT {v['ttft_ratio']:.2f}x")
     md += "\n\nMedians over seeds " + ", ".join(map(str, args.seeds)) + ".\n\n" + "\n".join(lines) + "\n"
-    publish(record, args.model, {"arms": results}, md, args.out, "Router: prefix-aware vs Ray's routers")
+    variant, title = args.model, None
+    if args.engine:
+        key = json.dumps(args.engine, sort_keys=True)
+        variant += f"/engine-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+        title = f"{args.model}, engine {key}"
+    publish(record, variant, {"arms": results}, md, args.out, "Router: prefix-aware vs Ray's routers", title)
 
 
 if __name__ == "__main__":
