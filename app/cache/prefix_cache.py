@@ -108,7 +108,7 @@ class PrefixCache:
         if slot is None:
             was_locked = node.lock
             node.lock += 1  # never evict the node we are storing at
-            freed = self.tree.evict_checkpoint(self.select)
+            freed = self.tree.evict_checkpoint(self._victim)
             node.lock = was_locked
             if freed is None:
                 self.counters.skipped_stores += 1
@@ -124,6 +124,14 @@ class PrefixCache:
         self.counters.stores += 1
         self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
         return True
+
+    def _victim(self, candidates: list[Node]) -> Node:
+        """The eviction policy's pick, except that a lookback checkpoint with a reused checkpoint below it goes
+        first (least recently used of those): the prompts that come back resume below it (a repeat at its prompt
+        end, a header's later queries at its branch), so it saves nothing more; it held its slot in case the next
+        prompt parted within its last tokens. Keeps lookback checkpoints from costing workloads of repeats."""
+        dominated = [n for n in candidates if n.ckpt_kind == "lookback" and _reused_below(n)]
+        return lru_select(dominated) if dominated else self.select(candidates)
 
     def load_checkpoint(self, node: Node) -> int:
         """The slot of `node`'s checkpoint, for a worker to copy into a fresh active state (copy-on-write:
@@ -155,3 +163,14 @@ class PrefixCache:
         ckpts = [n.checkpoint for n in self.tree.nodes() if n.checkpoint is not None]
         assert len(ckpts) == self.checkpoints.num_used <= self.checkpoints.num_slots, "checkpoint slots leaked"
         assert not set(ckpts) & set(self.checkpoints.allocator.free_ids()), "checkpoint slot both used and free"
+
+
+def _reused_below(node: Node) -> bool:
+    """Whether a checkpoint under `node` (not its own) has been loaded since it was stored."""
+    stack = list(node.children.values())
+    while stack:
+        n = stack.pop()
+        if n.checkpoint is not None and n.ckpt_loads:
+            return True
+        stack.extend(n.children.values())
+    return False

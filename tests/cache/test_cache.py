@@ -162,6 +162,31 @@ def test_checkpoint_eviction_lru_refreshes_only_the_used_node():
     cache.check_integrity()
 
 
+def test_a_lookback_checkpoint_goes_first_once_a_checkpoint_below_it_is_reused():
+    """A repeat resumed at the prompt end below the lookback checkpoint: the lookback one saves nothing more and
+    is evicted before the LRU pick; a lookback checkpoint with nothing reused below keeps plain LRU order."""
+    cache = _cache(ckpt_slots=2)
+    lb = cache.insert([1, 2], _slots(cache, 2))
+    end = cache.insert([1, 2, 3, 4], _slots(cache, 4))
+    assert cache.store_checkpoint(lb.node, cache.store.write(_state(1.0)), "lookback")
+    assert _store(cache, end.node, _state(2.0))
+    other = cache.insert([5, 6], _slots(cache, 2))
+    assert _store(cache, other.node, _state(3.0))  # nothing reused yet: LRU takes the older lookback one
+    assert lb.node.checkpoint is None and end.node.checkpoint is not None
+    assert cache.store_checkpoint(lb.node, cache.store.write(_state(1.0)), "lookback")  # LRU pick: end
+    assert end.node.checkpoint is None
+    assert _store(cache, end.node, _state(2.0))  # (evicts other, the least recently used)
+    cache.load_checkpoint(end.node)  # a repeat resumes at the prompt end
+    assert cache.store_checkpoint(lb.node, cache.store.write(_state(1.0)), "lookback")  # refresh: lb is newest
+    last = cache.insert([7, 8], _slots(cache, 2))
+    assert _store(cache, last.node, _state(4.0))
+    assert lb.node.checkpoint is None and end.node.checkpoint is not None  # dominated: first out, LRU or not
+    live = [n for n in cache.tree.nodes() if n.checkpoint is not None]
+    assert cache.counters.reuse(live)["lookback"] == {"stored": 2, "reused": 0, "never_reused": 2,
+                                                      "unused_in_pool": 0}
+    cache.check_integrity()
+
+
 def test_checkpoint_eviction_flop_aware_prefers_cheap_prefixes():
     select = FlopAwareSelect(linear_flops_per_token=1.0, attention_flops_per_pair=0.0, bytes_per_checkpoint=1,
                              alpha=0.0)
