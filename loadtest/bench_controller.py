@@ -19,13 +19,14 @@ rate, mean and p90 TTFT of each arm, the controller's final setting and decision
 best static setting's and against its start setting's. The best static setting runs again after the controller
 (ABA: drift of the machine over a situation's minutes weighs on both sides), and its figure is the mean of its two
 runs.
-Results: loadtest/results/bench_controller_cpu.json, variant the model; --out DOC replaces that variant's block
-in DOC (loadtest/sections.py).
+Results: loadtest/results/bench_controller_cpu.json, variant the model (with --engine JSON, engine knobs for every
+arm: `<model>/engine-<hash>`); --out DOC replaces that variant's block in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
@@ -65,7 +66,8 @@ def one_round(url: str, situation: str, r: int, args) -> list[dict]:
 
 def run(url: str, situation: str, arm: str, engine: dict, controller: bool, args) -> dict:
     app = {"model": args.model, "replicas": 1, "replica_cpus": 1.0,
-           "engine": {"checkpoint_budget_mb": args.chat_budget_mb if situation == "chat" else args.budget_mb,
+           "engine": {**(args.engine or {}),
+                      "checkpoint_budget_mb": args.chat_budget_mb if situation == "chat" else args.budget_mb,
                       **engine},
            "controller": {"enabled": controller, "window_s": args.window_s, "trial_windows": 1, "min_requests": 2,
                           "max_w_nr": 128, "max_w_wr": 512}}
@@ -114,6 +116,9 @@ def main(argv=None) -> None:
     p.add_argument("--chat-budget-mb", type=float, default=6.0, help="chat: room for interval checkpoints")
     p.add_argument("--window-s", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--engine", type=json.loads, default=None, metavar="JSON",
+                   help="engine knobs for every arm under its own settings (e.g. '{\"lookback\": 64}'): its own "
+                        "variant, <model>/engine-<hash>")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     record = start_run("bench_controller", {k: v for k, v in vars(args).items() if k != "out"}, argv)
@@ -138,7 +143,12 @@ def main(argv=None) -> None:
                [[r["situation"], r["arm"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["failed"]]
                 for r in rows])
     md += "\n\n" + "\n".join(lines) + "\n"
-    publish(record, args.model, {"rows": rows}, md, args.out, "Controller vs static settings")
+    variant, title = args.model, None
+    if args.engine:
+        key = json.dumps(args.engine, sort_keys=True)
+        variant += f"/engine-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+        title = f"{args.model}, engine {key}"
+    publish(record, variant, {"rows": rows}, md, args.out, "Controller vs static settings", title)
 
 
 if __name__ == "__main__":
