@@ -23,7 +23,8 @@ from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 
 # where this server's engine differs from EngineConfig's defaults (which tests and embedders get): as shipped in
-# configs/config.yaml
+# configs/config.yaml, plus lookback checkpoints (a new few-shot header's first query resumes inside the header),
+# which the Ray service leaves off until its controller tunes them
 SERVER_DEFAULTS = {"compile_decode": True, "compile_prefill": True, "lookback": 64}
 
 
