@@ -26,14 +26,13 @@ arm: `<model>/engine-<hash>`); --out DOC replaces that variant's block in DOC (l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import time
 
 from deployments.builder import ServeArgs, controller_config
 from loadtest.common import start_run, table
-from loadtest.sections import publish
+from loadtest.sections import knob_variant, publish
 from loadtest.serve_harness import cluster, deployed, prefix_prompts, summarise
 from loadtest.workloads import chat, chat_openers, drive
 
@@ -143,11 +142,7 @@ def main(argv=None) -> None:
                [[r["situation"], r["arm"], r["hit_rate"], r["ttft_mean_ms"], r["ttft_p90_ms"], r["failed"]]
                 for r in rows])
     md += "\n\n" + "\n".join(lines) + "\n"
-    variant, title = args.model, None
-    if args.engine:
-        key = json.dumps(args.engine, sort_keys=True)
-        variant += f"/engine-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-        title = f"{args.model}, engine {key}"
+    variant, title = knob_variant(args.model, args.engine)
     publish(record, variant, {"rows": rows}, md, args.out, "Controller vs static settings", title)
 
 

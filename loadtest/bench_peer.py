@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import tempfile
@@ -57,7 +56,7 @@ from loadtest.bench_engine import corpus_ids
 from loadtest.common import RESULTS, median, start_run, table
 from loadtest.peer import client, fewshot, gguf, llama, servers
 from loadtest.peer import starts as start_times
-from loadtest.sections import publish
+from loadtest.sections import knob_variant, publish
 from loadtest.serve_harness import free_port
 
 STREAMS = (1, 4, 16)
@@ -278,10 +277,7 @@ def main(argv=None) -> None:
         for model in () if args.starts_only or args.fewshot else args.models:
             res = bench_model(model, args.arms, starts, repeats, agree, args.local_engine, Path(logdir),
                               lambda s: print(s, flush=True))
-            variant = model
-            if args.local_engine:
-                key = json.dumps(args.local_engine, sort_keys=True).encode()
-                variant += f"/local-engine-{hashlib.sha256(key).hexdigest()[:8]}"
+            variant = knob_variant(model, args.local_engine, "local-engine")[0]
             publish(run, variant, res, markdown(res), args.out, "Peer: our server vs llama.cpp's llama-server",
                     model, directory)
 

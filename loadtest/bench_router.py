@@ -20,13 +20,12 @@ arm: `<model>/engine-<hash>`); --out DOC replaces that variant's block in DOC (l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import time
 
 from loadtest.common import start_run, table
-from loadtest.sections import publish
+from loadtest.sections import knob_variant, publish
 from loadtest.serve_harness import cluster, deployed, summarise
 from loadtest.workloads import chat, chat_openers, drive, few_shot, reuse_phases
 
@@ -133,11 +132,7 @@ def main(argv=None) -> None:
             lines.append(f"- {workload[0]}, {workload[1]} replicas: ours vs PrefixCacheAffinityRouter: hit rate "
                          f"{v['hit_delta']:+.3f}, mean TTFT {v['ttft_ratio']:.2f}x")
     md += "\n\nMedians over seeds " + ", ".join(map(str, args.seeds)) + ".\n\n" + "\n".join(lines) + "\n"
-    variant, title = args.model, None
-    if args.engine:
-        key = json.dumps(args.engine, sort_keys=True)
-        variant += f"/engine-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-        title = f"{args.model}, engine {key}"
+    variant, title = knob_variant(args.model, args.engine)
     publish(record, variant, {"arms": results}, md, args.out, "Router: prefix-aware vs Ray's routers", title)
 
 

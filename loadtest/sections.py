@@ -19,6 +19,8 @@ appended to the document under its title.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from loadtest.common import RESULTS, Run, check_variant, machine_line, save
@@ -100,3 +102,12 @@ def publish(run: Run, variant: str, results: dict, body: str, out: str | None, n
     if out:
         write_block(out, run, variant, block, name)
     return block
+
+
+def knob_variant(model: str, knobs: dict | None, label: str = "engine") -> tuple[str, str | None]:
+    """(variant, block title) of a run with extra knobs: `<model>/<label>-<hash of the knobs>`, titled with them;
+    without knobs, the model and the default title."""
+    if not knobs:
+        return model, None
+    key = json.dumps(knobs, sort_keys=True)
+    return f"{model}/{label}-{hashlib.sha256(key.encode()).hexdigest()[:8]}", f"{model}, {label} {key}"
