@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic.types import PositiveInt
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -119,6 +120,9 @@ class ControllerArgs(_Strict):
                                 "(windows accumulate until then)")
     hysteresis: float = 0.05
     cooldown_windows: int = 10
+    lookbacks: list[PositiveInt] = Field([16, 64, 256], description="lookbacks the controller may pick besides 0 "
+                                         "(longer when requests branch further before stored prompt ends, 0 when "
+                                         "lookback checkpoints go unreused); empty: it keeps engine.lookback")
     allowed: list[str] | None = Field(None, description="settings the controller may use (dense, nr-W16, wr-W512, "
                                       "...); unset: the model's allowance.json, and without one only dense")
 
@@ -204,6 +208,7 @@ def controller_config(cfg: ServeArgs) -> dict:
     """What the replicas and the ingress get about the tuning controller; "actor" is its constructor's kwargs."""
     c = cfg.controller
     knobs = {"max_w_nr": c.max_w_nr, "max_w_wr": c.max_w_wr, "interval": cfg.engine.interval,
+             "lookback": cfg.engine.lookback, "lookbacks": tuple(c.lookbacks),
              "trial_windows": c.trial_windows, "warmup_windows": c.warmup_windows,
              "refill_windows": c.refill_windows, "min_requests": c.min_requests,
              "judge_requests": c.judge_requests,
@@ -211,7 +216,8 @@ def controller_config(cfg: ServeArgs) -> dict:
              "cooldown_windows": c.cooldown_windows, "max_running": cfg.engine.max_running}
     allowance = _allowance(cfg)
     knobs["allowed"] = tuple(allowance["allowed"]) if allowance else None
-    initial = {"w_max": cfg.engine.w_max, "policy": cfg.engine.policy, "interval": cfg.engine.interval}
+    initial = {"w_max": cfg.engine.w_max, "policy": cfg.engine.policy, "interval": cfg.engine.interval,
+               "lookback": cfg.engine.lookback}
     return {"enabled": c.enabled, "window_s": c.window_s,
             "actor": {"knobs": knobs, "initial": initial, "enabled": c.enabled, "window_s": c.window_s,
                       "allowance": allowance}}

@@ -96,7 +96,8 @@ class TuningController:
 
 
 def _wire(setting: Setting) -> dict:
-    return {"w_max": setting.w_max, "policy": setting.policy, "interval": setting.interval}
+    return {"w_max": setting.w_max, "policy": setting.policy, "interval": setting.interval,
+            "lookback": setting.lookback}
 
 
 def get_or_create(knobs: dict, initial: dict | None, enabled: bool, window_s: float, allowance: dict | None = None):

@@ -35,7 +35,7 @@ from deployments.controller import ControllerClient
 from deployments.messages import GenerateRequest
 
 log = logging.getLogger("ray.serve")
-SETTING_FIELDS = ("w_max", "policy", "interval")
+SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
 
 
 class EngineReplica:
@@ -166,7 +166,10 @@ class EngineReplica:
 
 def cache_window(snap: dict, last: dict, tail: int) -> dict:
     """A telemetry window's cache fields from two engine snapshots (`Engine.snapshot`) a window apart: hit rate,
-    checkpoint occupancy, evictions, wr replay time, the compression ratio; `lost`: the share of admitted requests
+    checkpoint occupancy (and `dispensable`, the share of slots held by lookback checkpoints that eviction takes
+    first), evictions, wr replay time, the compression ratio; lookback checkpoints stored and first reused in the
+    window; `branched`, the share of admitted requests that left a stored prompt's path before its end, and
+    `branch_back`, how far before it (the median's power-of-two bucket); `lost`: the share of admitted requests
     that resumed behind a checkpoint evicted for room (cache pressure that costs something: evicting what nobody
     asks for again costs nothing); and `replayed`: the tokens an admitted request recomputed between its
     checkpoint and the end of its KV match, less those an evicted checkpoint would have saved and less the nr
@@ -181,7 +184,28 @@ def cache_window(snap: dict, last: dict, tail: int) -> dict:
         "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted")
                         - _per(snap, last, "lost_tokens", "sequences_admitted") - tail),
         "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
+        "dispensable": snap.get("checkpoint_slots_dispensable", 0) / max(snap["checkpoint_slots"], 1),
+        **{f"lookback_{k}": _kind(snap, "lookback", k) - _kind(last, "lookback", k) for k in ("stored", "reused")},
+        **_branched(snap, last),
     }
+
+
+def _kind(snap: dict, kind: str, field: str) -> int:
+    return snap.get("checkpoint_reuse_by_kind", {}).get(kind, {}).get(field, 0)
+
+
+def _branched(snap: dict, last: dict) -> dict:
+    """The window's `branched` share of admitted requests and their median `branch_back` bucket (0 if none)."""
+    now, before = snap.get("sequences_branched", {}), last.get("sequences_branched", {})
+    counts = {b: n - before.get(b, 0) for b, n in sorted(now.items()) if n > before.get(b, 0)}
+    total, admitted = sum(counts.values()), snap.get("sequences_admitted", 0) - last.get("sequences_admitted", 0)
+    seen, median = 0, 0
+    for bucket, n in counts.items():
+        seen += n
+        if 2 * seen >= total:
+            median = bucket
+            break
+    return {"branched": total / admitted if admitted > 0 else 0.0, "branch_back": float(median)}
 
 
 def _per(snap: dict, last: dict, total: str, count: str) -> float:

@@ -29,6 +29,15 @@ and wr replay time.
   per request over the replicas' latest windows holding `judge_requests` requests, at or above `replay_trigger`:
   a conversation's next turn resumes far behind where the last answer ended), the largest checkpoint interval at
   most that is tried ("interval"), judged like a climb.
+- Lookback checkpoints (`EngineConfig.lookback`: one checkpoint that many tokens before each prompt end, where
+  the next prompt sharing all of this one but its last tokens, a few-shot header's next query, resumes). When at
+  least `branch_trigger` of the requests in the replicas' latest windows left a stored prompt's path before its
+  end (`branched`) and a longer lookback from `lookbacks` would have covered how far before (`branch_back`), that
+  lookback is tried ("lookback", judged like a climb). When lookback checkpoints go unreused (at least
+  `lookback_min_stored` stored in those windows, fewer than `lookback_reuse_floor` of that many first reused, and
+  requests do not branch) lookback 0 is tried ("lookback_off", judged like a relax: fewer stores are preferred at
+  equal TTFT). The fit test leaves out the lookback checkpoints eviction takes first (`dispensable`: a reused
+  checkpoint lies below them, so they would save nothing more).
 Every change bumps a version; replicas poll their assignment and apply it between engine steps. Each decision
 is logged with its evidence (the windows' means that started the trial; the TTFTs that judged it): /status.
 
@@ -54,6 +63,7 @@ class Setting:
     w_max: float | None = None  # None: dense checkpoints
     policy: str = "nr"
     interval: int = 0
+    lookback: int = 0
 
     @property
     def codec(self) -> str:
@@ -62,7 +72,8 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return self.codec + (f"/I{self.interval}" if self.interval else "")
+        return (self.codec + (f"/I{self.interval}" if self.interval else "")
+                + (f"/L{self.lookback}" if self.lookback else ""))
 
 
 @dataclass(frozen=True)
@@ -86,18 +97,24 @@ class TunerKnobs:
     judge_requests: int = 1  # requests a trial (and its control) is judged on, at least (the service: 16)
     max_trial_windows: int = 12  # judged windows after which a trial is decided on what it has
     intervals: tuple[int, ...] = (32, 64, 128, 256)  # checkpoint intervals the controller may pick
+    lookback: int = 0  # the configured lookback (the ladder's)
+    lookbacks: tuple[int, ...] = (16, 64, 256)  # lookbacks the controller may pick (and 0); empty: it keeps its own
+    branch_trigger: float = 0.1  # share of requests branching before a stored prompt end that starts a lookback trial
+    lookback_min_stored: int = 8  # lookback checkpoints stored in the latest windows before their reuse is judged
+    lookback_reuse_floor: float = 0.05  # reused share of them below which lookback 0 is tried
 
     def permits(self, setting: Setting) -> bool:
         return setting.w_max is None or (self.allowed is not None and setting.codec in self.allowed)
 
-    def ladder(self, interval: int | None = None) -> list[Setting]:
+    def ladder(self, interval: int | None = None, lookback: int | None = None) -> list[Setting]:
         """Dense, then per W_max: nr within the nr cap if allowed, else wr within the wr cap if allowed; each at
-        `interval` (default: the configured one)."""
+        `interval` and `lookback` (default: the configured ones)."""
         interval = self.interval if interval is None else interval
-        rungs = [Setting(None, "nr", interval)]
+        lookback = self.lookback if lookback is None else lookback
+        rungs = [Setting(None, "nr", interval, lookback)]
         for w in self.w_values:
-            options = [Setting(w, "nr", interval)] if w <= self.max_w_nr else []
-            options += [Setting(w, "wr", interval)] if w <= self.max_w_wr else []
+            options = [Setting(w, "nr", interval, lookback)] if w <= self.max_w_nr else []
+            options += [Setting(w, "wr", interval, lookback)] if w <= self.max_w_wr else []
             rungs += [s for s in options if self.permits(s)][:1]
         return rungs
 
@@ -109,6 +126,12 @@ class TunerKnobs:
         more than the shorter replays saved.)"""
         fitting = [i for i in self.intervals if i <= replayed]
         return max(fitting) if fitting else min(self.intervals)
+
+    def lookback_for(self, branch_back: float) -> int:
+        """The smallest candidate lookback that covers `branch_back` tokens (the largest if none does): a prompt
+        that leaves the path that far before its end then finds a checkpoint at or above where it branched."""
+        covering = [b for b in self.lookbacks if b >= branch_back]
+        return min(covering) if covering else max(self.lookbacks)
 
 
 @dataclass(frozen=True)
@@ -128,6 +151,11 @@ class Window:
     replayed: float = 0.0  # mean tokens per admitted request recomputed between its checkpoint and its KV match's end
     lost: float = 0.0  # share of admitted requests that resumed behind a checkpoint evicted for room
     compression: float = 1.0  # dense checkpoint bytes over the running setting's
+    dispensable: float = 0.0  # share of slots held by lookback checkpoints eviction takes first
+    lookback_stored: int = 0  # lookback checkpoints stored in the window
+    lookback_reused: int = 0  # lookback checkpoints loaded for the first time in the window
+    branched: float = 0.0  # share of admitted requests that left a stored prompt's path before its end
+    branch_back: float = 0.0  # how far before it (tokens; the median's power-of-two bucket)
 
 
 @dataclass
@@ -148,7 +176,7 @@ class Tuner:
         """`allowance`: the model's allowance record (allowance.json), shown in `state()`."""
         self.knobs, self.enabled, self.allowance = knobs, enabled, allowance
         self.overloaded_windows = 0
-        self.current = initial or Setting(None, "nr", knobs.interval)
+        self.current = initial or Setting(None, "nr", knobs.interval, knobs.lookback)
         self.version = 1
         self.trial: Trial | None = None
         self.cooldown: dict[Setting, int] = {}
@@ -194,14 +222,40 @@ class Tuner:
                for w in windows):
             return self._start_trial(self._next_rung(), "climb", evidence)
         if usable and self.current.w_max is not None and all(
-                w.evictions == 0 and w.occupancy * w.compression <= self.knobs.fit_occupancy for w in windows):
-            return self._start_trial(self._cool(Setting(None, "nr", self.current.interval)), "relax", evidence)
+                w.evictions == 0 and (w.occupancy - w.dispensable) * w.compression <= self.knobs.fit_occupancy
+                for w in windows):
+            return self._start_trial(self._cool(replace(self.current, w_max=None, policy="nr")), "relax", evidence)
         replayed = self._recent_replay()
         if usable and replayed is not None and replayed >= self.knobs.replay_trigger:
             interval = self.knobs.interval_for(replayed)
             if interval != self.current.interval:
                 return self._start_trial(self._cool(replace(self.current, interval=interval)), "interval",
                                          {**evidence, "replayed_recent": round(replayed, 4)})
+        change = self._lookback_change() if usable else None
+        if change is not None:
+            lookback, kind, seen = change
+            return self._start_trial(self._cool(replace(self.current, lookback=lookback)), kind, {**evidence, **seen})
+        return None
+
+    def _lookback_change(self) -> tuple[int, str, dict] | None:
+        """(lookback, trial kind, evidence) when the replicas' latest windows call for another lookback: longer
+        when requests branch further before stored prompt ends than it reaches, 0 when its checkpoints go unreused."""
+        k = self.knobs
+        windows = self._recent_windows()
+        requests = sum(w.requests for w in windows)
+        if not k.lookbacks or not requests:
+            return None
+        branched = sum(w.branched * w.requests for w in windows) / requests
+        weight = sum(w.branched * w.requests for w in windows)
+        back = sum(w.branch_back * w.branched * w.requests for w in windows) / weight if weight else 0.0
+        stored, reused = sum(w.lookback_stored for w in windows), sum(w.lookback_reused for w in windows)
+        seen = {"branched_recent": round(branched, 4), "branch_back_recent": round(back, 1),
+                "lookback_stored": stored, "lookback_reused": reused}
+        if branched >= k.branch_trigger and k.lookback_for(back) > self.current.lookback:
+            return k.lookback_for(back), "lookback", seen
+        if (self.current.lookback and branched < k.branch_trigger and stored >= k.lookback_min_stored
+                and reused < k.lookback_reuse_floor * stored):
+            return 0, "lookback_off", seen
         return None
 
     def _latest(self, windows: list[Window]) -> list[Window]:
@@ -213,12 +267,16 @@ class Tuner:
             keep, total = keep + 1, total + w.requests
         return windows[len(windows) - keep:]
 
+    def _recent_windows(self) -> list[Window]:
+        """Every replica's latest windows on the current setting (`recent`), of the replicas whose windows hold
+        together at least `judge_requests` requests: one window of three long chat turns says little."""
+        return [w for ws in self.recent.values() if sum(x.requests for x in ws) >= self.knobs.judge_requests
+                for w in ws]
+
     def _recent_replay(self) -> float | None:
-        """Mean tokens replayed per request over every replica's latest windows on the current setting (`recent`:
-        together at least `judge_requests` requests each), weighted by requests; None before any replica has that
-        many. One window of three long chat turns would pick an interval on noise."""
-        windows = [w for ws in self.recent.values() if sum(x.requests for x in ws) >= self.knobs.judge_requests
-                   for w in ws]
+        """Mean tokens replayed per request over `_recent_windows()`, weighted by requests; None before any replica
+        has that many."""
+        windows = self._recent_windows()
         total = sum(w.requests for w in windows)
         return sum(w.replayed * w.requests for w in windows) / total if total else None
 
@@ -241,7 +299,7 @@ class Tuner:
 
     def _rung(self) -> tuple[list[Setting], int | None]:
         """The ladder at the current interval, and the current setting's place on it (None: off the ladder)."""
-        ladder = self.knobs.ladder(self.current.interval)
+        ladder = self.knobs.ladder(self.current.interval, self.current.lookback)
         return ladder, ladder.index(self.current) if self.current in ladder else None
 
     def _cool(self, setting: Setting) -> Setting | None:
@@ -269,8 +327,9 @@ class Tuner:
         control = t.control or [(w.ttft_mean_s, w.requests) for w in self.recent.get(t.replica, [])]
         self.trial = None
         self.version += 1
-        # a climb or an interval must win by the margin; a relax (less compression) must not lose by more than it
-        margin = 1 + self.knobs.hysteresis if t.kind == "relax" else 1 - self.knobs.hysteresis
+        # a climb, an interval or a longer lookback must win by the margin; a relax (less compression) or lookback off
+        # (fewer stores) must not lose by more than it
+        margin = 1 + self.knobs.hysteresis if t.kind in ("relax", "lookback_off") else 1 - self.knobs.hysteresis
         trial_ttft, control_ttft = _weighted(t.ttft), _weighted(control)
         judged = {"kind": t.kind, "trial_ttft": trial_ttft, "control_ttft": control_ttft,
                   "trial_requests": sum(n for _, n in t.ttft), "control_requests": sum(n for _, n in control)}

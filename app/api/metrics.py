@@ -42,6 +42,7 @@ ENGINE_GAUGES = {
     "hit_rate": "token-weighted prefix cache hit rate (cached prompt tokens / prompt tokens)",
     "checkpoint_slots": "checkpoint slots in the pool",
     "checkpoint_slots_used": "checkpoint slots holding a checkpoint",
+    "checkpoint_slots_dispensable": "of them, lookback checkpoints with a reused checkpoint below (evicted first)",
     "checkpoint_bytes_per_slot": "bytes one checkpoint occupies",
     "checkpoint_evictions": "checkpoints evicted so far",
     "checkpoint_stores": "checkpoints stored so far",

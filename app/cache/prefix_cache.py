@@ -143,6 +143,32 @@ class PrefixCache:
         node.ckpt_loads += 1
         return node.checkpoint
 
+    def dispensable(self) -> int:
+        """Lookback checkpoints with a reused checkpoint below them: the ones eviction takes first (`_victim`),
+        so a pool that holds everything else has room enough. What the controller's fit test leaves out."""
+        return sum(1 for n in self.tree.nodes() if n.ckpt_kind == "lookback" and n.checkpoint is not None
+                   and _reused_below(n))
+
+    def branch_back(self, match: MatchResult, within: int) -> int | None:
+        """How far before a stored prompt's end a request left that prompt's path: tokens from where its KV match
+        ends (`match`) to the shallowest prompt-end checkpoint below that point, if one lies within `within`
+        tokens of it (else None: the request shares no nearby prompt end, e.g. a repeat or an unrelated prompt).
+        A lookback of at least this many tokens would have given the request a checkpoint at its branch."""
+        node, start = match.kv_node, match.kv_len
+        if node is None:
+            return None
+        stack = [node] if node.depth > start else list(node.children.values())
+        best = None
+        while stack:
+            n = stack.pop()
+            if n.depth - len(n.tokens) >= start + within:  # this edge starts beyond reach
+                continue
+            if n.ckpt_kind == "prompt_end" and n.checkpoint is not None and n.depth - start <= within:
+                best = n.depth - start if best is None else min(best, n.depth - start)
+                continue  # anything below is deeper
+            stack.extend(n.children.values())
+        return best
+
     def _dropped(self, node: Node) -> None:
         """A checkpoint leaves the pool: count it if it never served a load."""
         if node.ckpt_loads == 0 and node.ckpt_kind is not None:

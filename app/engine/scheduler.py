@@ -19,6 +19,10 @@ from app.cache.prefix_cache import PrefixCache
 from app.engine.config import EngineConfig
 from app.engine.request import ForkHold, Sequence, Status
 
+# how far below a request's branch point a stored prompt end still counts as the prompt it branched from
+# (telemetry: what a longer lookback would have served; beyond the largest lookback worth a checkpoint)
+BRANCH_REACH = 512
+
 
 class Work(NamedTuple):
     """seq feeds tokens[start:end] this step into `new_slots` [end - start]; with `draft` (speculative
@@ -178,6 +182,8 @@ class Scheduler:
             seq.cached_len = min(seq.num_computed, seq.prompt_len)
             seq.replayed = max(0, min(match.kv_len, limit) - seq.num_computed) if match is not None else 0
             seq.lost = max(0, match.lost_len - seq.num_computed) if match is not None else 0
+            if match is not None and match.kv_len < limit:  # it branched: how far before a stored prompt end
+                seq.branch_back = self.cache.branch_back(match, BRANCH_REACH)
             seq.admitted_once = True
         seq.cuts = self._plan_cuts(seq, match)
         seq.status = Status.RUNNING

@@ -33,6 +33,8 @@ class Telemetry:
         self.replayed_tokens = 0
         self.lost_tokens = 0  # of them, those a checkpoint evicted for room would have saved
         self.lost = 0  # sequences that resumed behind a checkpoint evicted for room
+        # sequences that left a stored prompt's path before its end, by distance (rounded up to a power of two)
+        self.branch_back: dict[int, int] = {}
         self.output_tokens = 0
         self.finished = 0
         self.steps = 0
@@ -60,6 +62,9 @@ class Telemetry:
         self.replayed_tokens += seq.replayed
         self.lost_tokens += seq.lost
         self.lost += seq.lost > 0
+        if seq.branch_back is not None:
+            bucket = 1 << max(0, seq.branch_back - 1).bit_length()
+            self.branch_back[bucket] = self.branch_back.get(bucket, 0) + 1
         self.admitted += 1
         self.hits += seq.cached_len > 0
         self.compressed_hits += seq.compressed_hit
@@ -91,6 +96,7 @@ class Telemetry:
             "replayed_tokens": self.replayed_tokens,
             "lost_tokens": self.lost_tokens,
             "sequences_lost": self.lost,
+            "sequences_branched": dict(sorted(self.branch_back.items())),
             "output_tokens": self.output_tokens,
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
             "ttft_p90_s": _quantile(ttfts, 0.9),
@@ -102,6 +108,7 @@ class Telemetry:
             "checkpoint_stores": c.stores,
             "checkpoint_stores_by_kind": dict(c.by_kind),
             "checkpoint_reuse_by_kind": c.reuse([n for n in cache.tree.nodes() if n.checkpoint is not None]),
+            "checkpoint_slots_dispensable": cache.dispensable(),
             "checkpoint_loads": c.loads,
             "checkpoint_evictions": c.checkpoint_evictions,
             "checkpoint_skipped_stores": c.skipped_stores,

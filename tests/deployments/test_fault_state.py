@@ -13,7 +13,7 @@ from deployments.builder import ServeArgs
 
 Controller = controller_mod.TuningController.__ray_actor_class__
 KNOBS = {"max_w_nr": 128, "max_w_wr": 512}
-RUNNING = {"w_max": 64, "policy": "nr", "interval": 0}
+RUNNING = {"w_max": 64, "policy": "nr", "interval": 0, "lookback": 64}
 
 
 def _window(replica: str, version: int = 7) -> dict:
@@ -32,7 +32,7 @@ def test_a_fresh_controller_adopts_what_the_replicas_run():
         return assignment, await c.state()
 
     (_, setting), state = asyncio.run(run())
-    assert setting == RUNNING and state["adopted"] == RUNNING and state["current_label"] == "nr-W64"
+    assert setting == RUNNING and state["adopted"] == RUNNING and state["current_label"] == "nr-W64/L64"
 
 
 def test_silent_replicas_are_forgotten(monkeypatch):

@@ -7,6 +7,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
 from deployments.replica import cache_window
+from tests.engine.test_lookback import _workload
 from tests.helpers import load_zoo
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
@@ -50,3 +51,28 @@ def test_lost_counts_requests_resuming_behind_an_eviction_and_replayed_leaves_th
     window = cache_window(after, fresh, 0)
     assert window["lost"] == 1.0 and window["hit_rate"] == 0.0
     assert after["replayed_tokens"] - fresh["replayed_tokens"] >= 150 and window["replayed"] < 8
+
+
+def test_branching_requests_and_lookback_reuse_show_in_the_window():
+    """A new header's first query leaves the warm-up's path 29 tokens before its stored prompt end: without
+    lookback every such query branched (bucket 32, which lookback 64 covers); with it they load the warm-ups'
+    lookback checkpoints (reused, per window); once repeats of the warm-ups load the prompt ends below them,
+    those lookback checkpoints are dispensable (eviction takes them first)."""
+    model, tok = load_zoo("kda-tiny")
+    work = _workload(tok)[:2]
+    for lookback in (0, 64):
+        eng = Engine(model, tok, EngineConfig(lookback=lookback, checkpoint_slots=32))
+        for warm, _ in work:
+            eng.generate([warm], ONE)
+        start = eng.snapshot()
+        for _, query in work:
+            eng.generate([query], ONE)
+        queried = eng.snapshot()
+        window = cache_window(queried, start, 0)
+        assert window["branched"] == 1.0 and window["branch_back"] == 32.0
+        assert window["lookback_reused"] == (2 if lookback else 0) and window["dispensable"] == 0.0
+    assert cache_window(start, start, 0)["lookback_stored"] == 0
+    for warm, _ in work:
+        eng.generate([warm], ONE)
+    window = cache_window(eng.snapshot(), queried, 0)
+    assert window["dispensable"] == 2 / 32 and window["branched"] == 0.0 and window["hit_rate"] > 0.9

@@ -155,3 +155,58 @@ def test_the_interval_follows_the_replay_of_enough_requests_not_of_one_window():
         decisions.append(t.tick())
     assert decisions == [None] * 3 + ["trial dense/I64"]
     assert t.decisions[-1]["evidence"]["replayed"] == 157.0 and t.decisions[-1]["evidence"]["replayed_recent"] == 86.75
+
+
+def test_requests_branching_before_stored_prompt_ends_get_a_lookback_that_reaches_them():
+    """Few-shot: a third of the requests (each header's first query) leave a stored prompt's path ~30 tokens
+    before its end and replay the header; lookback 64 is tried and, faster, kept; from then on the lookback
+    checkpoints are reused and nothing more changes. At lookback 16 the same requests call for 64 too."""
+    def windows(version, replica, s: Setting) -> Window:
+        if s.lookback >= 32:
+            return Window(replica, version, 20, 0.08, 0.9, 0.4, 0, branched=0.3, branch_back=32.0,
+                          lookback_stored=3, lookback_reused=3)
+        return Window(replica, version, 20, 0.15, 0.6, 0.3, 0, branched=0.3, branch_back=32.0, replayed=30.0)
+
+    t = Tuner(KNOBS)
+    assert _run(t, windows) == ["trial dense/L64", "promote dense/L64"]
+    assert t.current == Setting(None, "nr", 0, 64) and t.decisions[0]["kind"] == "lookback"
+    assert t.decisions[0]["evidence"]["branched_recent"] == 0.3
+    short = Tuner(KNOBS, initial=Setting(None, "nr", 0, 16))
+    assert _run(short, windows)[:2] == ["trial dense/L64", "promote dense/L64"]
+    assert TunerKnobs().lookback_for(32) == 64 and TunerKnobs().lookback_for(2000) == 256
+    fixed = Tuner(TunerKnobs(allowed=ANY, trial_windows=2, warmup_windows=1, refill_windows=0, lookbacks=()))
+    assert _run(fixed, windows) == []  # the operator left the controller no lookback to pick
+
+
+def test_lookback_checkpoints_nobody_reuses_are_turned_off_unless_that_is_slower():
+    """Unrelated prompts: every request stores a lookback checkpoint and none is ever loaded, no request branches
+    before a stored prompt end: lookback 0 is tried and kept at equal TTFT (fewer stores); if it were slower by
+    more than the hysteresis it would be rejected."""
+    def windows(version, replica, s: Setting, off_ttft: float = 0.20) -> Window:
+        stored = 10 if s.lookback else 0
+        return Window(replica, version, 20, off_ttft if not s.lookback else 0.20, 0.2, 0.5, 0,
+                      lookback_stored=stored)
+
+    t = Tuner(KNOBS, initial=Setting(None, "nr", 0, 64))
+    assert _run(t, windows) == ["trial dense", "promote dense"]
+    assert t.current == Setting(None) and t.decisions[0]["kind"] == "lookback_off"
+    assert t.decisions[0]["evidence"]["lookback_stored"] == 20 and t.decisions[0]["evidence"]["lookback_reused"] == 0
+    slower = Tuner(KNOBS, initial=Setting(None, "nr", 0, 64))
+    assert _run(slower, lambda v, r, s: windows(v, r, s, off_ttft=0.25))[:2] == ["trial dense", "reject dense"]
+    assert slower.current == Setting(None, "nr", 0, 64)
+
+
+def test_the_fit_test_leaves_out_lookback_checkpoints_eviction_takes_first():
+    """nr-W64 (compression 6) fills 20% of its pool, half of it with lookback checkpoints whose prompt ends below
+    are reused (repeats): dense would hold the rest in 60% of its pool, so dense is tried and kept, lookback and
+    all. Counting them (bench_controller's fits situation before this) it would have stayed at nr-W64."""
+    def windows(version, replica, s: Setting, dispensable: float = 0.1) -> Window:
+        if s.w_max is None:
+            return Window(replica, version, 20, 0.201, 0.9, 1.0, 2, dispensable=0.4)
+        return Window(replica, version, 20, 0.20, 0.9, 0.2, 0, compression=6.0, dispensable=dispensable)
+
+    t = Tuner(KNOBS, initial=Setting(64, "nr", 0, 64))
+    assert _run(t, windows) == ["trial dense/L64", "promote dense/L64"]
+    assert t.current == Setting(None, "nr", 0, 64)
+    counted = Tuner(KNOBS, initial=Setting(64, "nr", 0, 64))
+    assert _run(counted, lambda v, r, s: windows(v, r, s, dispensable=0.0)) == []
