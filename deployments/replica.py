@@ -168,8 +168,9 @@ def cache_window(snap: dict, last: dict, tail: int) -> dict:
     """A telemetry window's cache fields from two engine snapshots (`Engine.snapshot`) a window apart: hit rate,
     checkpoint occupancy (and `dispensable`, the share of slots held by lookback checkpoints that eviction takes
     first), evictions, wr replay time, the compression ratio; lookback checkpoints stored and first reused in the
-    window; `branched`, the share of admitted requests that left a stored prompt's path before its end, and
-    `branch_back`, how far before it (the median's power-of-two bucket); `lost`: the share of admitted requests
+    window; `branched`, the share of admitted requests that left a stored prompt's path before its end and
+    replayed the shared part (what a longer lookback would have saved), and `branch_back`, how far before it (the
+    median's power-of-two bucket); `lost`: the share of admitted requests
     that resumed behind a checkpoint evicted for room (cache pressure that costs something: evicting what nobody
     asks for again costs nothing); and `replayed`: the tokens an admitted request recomputed between its
     checkpoint and the end of its KV match, less those an evicted checkpoint would have saved and less the nr

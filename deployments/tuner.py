@@ -14,7 +14,10 @@ and wr replay time.
 - The first `warmup_windows` windows of a trial are not judged: a new W_max starts from an emptied
   checkpoint cache (a layout change drops the old checkpoints), so those windows measure refilling, not the
   setting (the control's windows of that period are skipped too). Warm-up goes on, for at most
-  `refill_windows` more windows, while the trial replica's hit rate is still below its own before the trial.
+  `refill_windows` more windows, while the trial replica's hit rate is still below its own before the trial or
+  still rising (by more than `refill_rise` over its previous window: a setting that holds more checkpoints ends
+  above the old hit rate, and crossing it is not being refilled; bench_controller's overflow situation once
+  rejected nr-W64 on a window at hit rate 0.27 on its way to 0.52).
 - After `trial_windows` further windows with at least `min_requests` requests each, and at least
   `judge_requests` requests in all (windows accumulate until then, for at most `max_trial_windows`: a window of a
   few long chat turns says little), the trial replica's mean TTFT, weighted by requests, is compared with the
@@ -32,12 +35,13 @@ and wr replay time.
 - Lookback checkpoints (`EngineConfig.lookback`: one checkpoint that many tokens before each prompt end, where
   the next prompt sharing all of this one but its last tokens, a few-shot header's next query, resumes). When at
   least `branch_trigger` of the requests in the replicas' latest windows left a stored prompt's path before its
-  end (`branched`) and a longer lookback from `lookbacks` would have covered how far before (`branch_back`), that
-  lookback is tried ("lookback", judged like a climb). When lookback checkpoints go unreused (at least
-  `lookback_min_stored` stored in those windows, fewer than `lookback_reuse_floor` of that many first reused, and
-  requests do not branch) lookback 0 is tried ("lookback_off", judged like a relax: fewer stores are preferred at
-  equal TTFT). The fit test leaves out the lookback checkpoints eviction takes first (`dispensable`: a reused
-  checkpoint lies below them, so they would save nothing more).
+  end and replayed what they shared with it (`branched`; a repeat, or a request resuming at the branch checkpoint
+  an earlier sharer cut, does not count) and a longer lookback from `lookbacks` would have covered how far before
+  (`branch_back`), that lookback is tried ("lookback", judged like a climb). When lookback checkpoints go unreused
+  (at least `lookback_min_stored` stored in those windows, fewer than `lookback_reuse_floor` of that many first
+  reused, and requests do not branch) lookback 0 is tried ("lookback_off", judged like a relax: fewer stores are
+  preferred at equal TTFT). The fit test leaves out the lookback checkpoints eviction takes first (`dispensable`:
+  a reused checkpoint lies below them, so they would save nothing more).
 Every change bumps a version; replicas poll their assignment and apply it between engine steps. Each decision
 is logged with its evidence (the windows' means that started the trial; the TTFTs that judged it): /status.
 
@@ -85,6 +89,7 @@ class TunerKnobs:
     trial_windows: int = 2
     warmup_windows: int = 1
     refill_windows: int = 3
+    refill_rise: float = 0.05  # a trial replica's hit rate rising more than this per window is still refilling
     min_requests: int = 4
     hysteresis: float = 0.05
     pressure_lost: float = 0.1  # share of a window's requests resuming behind an evicted checkpoint: pressure
@@ -154,7 +159,7 @@ class Window:
     dispensable: float = 0.0  # share of slots held by lookback checkpoints eviction takes first
     lookback_stored: int = 0  # lookback checkpoints stored in the window
     lookback_reused: int = 0  # lookback checkpoints loaded for the first time in the window
-    branched: float = 0.0  # share of admitted requests that left a stored prompt's path before its end
+    branched: float = 0.0  # share of admitted requests that left a stored prompt's path before its end and replayed
     branch_back: float = 0.0  # how far before it (tokens; the median's power-of-two bucket)
 
 
@@ -166,6 +171,7 @@ class Trial:
     control: list[tuple[float, int]] = field(default_factory=list)
     ticks: int = 0  # windows closed since the trial started
     baseline_hit: float | None = None  # the trial replica's hit rate before the trial
+    last_hit: float | None = None  # the trial replica's hit rate in its latest usable window of the trial
     kind: str = "climb"  # climb (more compression), relax (less) or interval
     evidence: dict = field(default_factory=dict)  # the windows' means that started it
 
@@ -313,10 +319,12 @@ class Tuner:
     def _judge(self, usable: list[Window]) -> str | None:
         t = self.trial
         t.ticks += 1
+        mine = [w.hit_rate for w in usable if w.replica == t.replica]
+        last, t.last_hit = t.last_hit, mine[-1] if mine else t.last_hit
         if t.ticks <= self.knobs.warmup_windows:
             return None
-        refilling = t.baseline_hit is not None and any(w.replica == t.replica and w.hit_rate < t.baseline_hit
-                                                       for w in usable)
+        rising = bool(mine) and last is not None and mine[-1] > last + self.knobs.refill_rise
+        refilling = rising or t.baseline_hit is not None and any(h < t.baseline_hit for h in mine)
         if refilling and not t.ttft and t.ticks <= self.knobs.warmup_windows + self.knobs.refill_windows:
             return None
         for w in usable:

@@ -142,7 +142,10 @@ class Sequence:
     cached_len: int = 0  # prompt tokens served by the cache at (first) admission
     replayed: int = 0  # tokens recomputed although their KV was cached (replay from an earlier checkpoint)
     lost: int = 0  # of them, those a checkpoint evicted for room would have saved (`MatchResult.lost_len`)
-    branch_back: int | None = None  # tokens before a stored prompt's end where it left that prompt's path
+    # tokens before a stored prompt's end where it left that prompt's path, if it then replayed at least
+    # checkpoint_min_gap tokens of the shared part (not for want of an evicted checkpoint): what a longer lookback
+    # would have saved
+    branch_back: int | None = None
     state_slot: int | None = None
     num_shared: int = 0
     node: Node | None = None

@@ -20,7 +20,9 @@ from app.engine.config import EngineConfig
 from app.engine.request import ForkHold, Sequence, Status
 
 # how far below a request's branch point a stored prompt end still counts as the prompt it branched from
-# (telemetry: what a longer lookback would have served; beyond the largest lookback worth a checkpoint)
+# (telemetry: what a longer lookback would have served; beyond the largest lookback worth a checkpoint), and at
+# most as far as the part shared above it: a prompt that shares only a short system prompt with a stored one
+# does not ask for a lookback checkpoint in that prompt's first half
 BRANCH_REACH = 512
 
 
@@ -182,8 +184,9 @@ class Scheduler:
             seq.cached_len = min(seq.num_computed, seq.prompt_len)
             seq.replayed = max(0, min(match.kv_len, limit) - seq.num_computed) if match is not None else 0
             seq.lost = max(0, match.lost_len - seq.num_computed) if match is not None else 0
-            if match is not None and match.kv_len < limit:  # it branched: how far before a stored prompt end
-                seq.branch_back = self.cache.branch_back(match, BRANCH_REACH)
+            if match is not None and match.kv_len < limit and not seq.lost and \
+                    seq.replayed >= self.cfg.checkpoint_min_gap:  # it branched and replays the shared part: how far
+                seq.branch_back = self.cache.branch_back(match, min(BRANCH_REACH, match.kv_len))  # before its end
             seq.admitted_once = True
         seq.cuts = self._plan_cuts(seq, match)
         seq.status = Status.RUNNING

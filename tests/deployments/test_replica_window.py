@@ -7,7 +7,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
 from deployments.replica import cache_window
-from tests.engine.test_lookback import _workload
+from tests.engine.test_lookback import HEADER, QUERY, _workload
 from tests.helpers import load_zoo
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
@@ -57,7 +57,8 @@ def test_branching_requests_and_lookback_reuse_show_in_the_window():
     """A new header's first query leaves the warm-up's path 29 tokens before its stored prompt end: without
     lookback every such query branched (bucket 32, which lookback 64 covers); with it they load the warm-ups'
     lookback checkpoints (reused, per window); once repeats of the warm-ups load the prompt ends below them,
-    those lookback checkpoints are dispensable (eviction takes them first)."""
+    those lookback checkpoints are dispensable (eviction takes them first). A later query that resumes at the
+    branch checkpoint an earlier one cut replays nothing and does not count as branched."""
     model, tok = load_zoo("kda-tiny")
     work = _workload(tok)[:2]
     for lookback in (0, 64):
@@ -72,7 +73,27 @@ def test_branching_requests_and_lookback_reuse_show_in_the_window():
         assert window["branched"] == 1.0 and window["branch_back"] == 32.0
         assert window["lookback_reused"] == (2 if lookback else 0) and window["dispensable"] == 0.0
     assert cache_window(start, start, 0)["lookback_stored"] == 0
+    third = work[0][0][:HEADER] + work[1][1][-QUERY:]  # header 0's next query resumes at the branch q1 cut
+    eng.generate([third], ONE)
+    assert cache_window(eng.snapshot(), queried, 0)["branched"] == 0.0
+    queried = eng.snapshot()
     for warm, _ in work:
         eng.generate([warm], ONE)
     window = cache_window(eng.snapshot(), queried, 0)
     assert window["dispensable"] == 2 / 32 and window["branched"] == 0.0 and window["hit_rate"] > 0.9
+
+
+def test_a_prompt_sharing_only_a_short_prefix_with_a_stored_one_does_not_count_as_branched():
+    """Unrelated prompts under one 24-token system prompt: the second one replays the system prompt, but the stored
+    prompt end lies 400 tokens below where they part; a lookback reaching that far would sit in the system prompt's
+    neighbourhood and serve nobody, so the window does not ask for one."""
+    model, tok = load_zoo("kda-tiny")
+    ids = tok.encode(open(__file__).read() * 4)
+    system = ids[:24]
+    eng = Engine(model, tok, EngineConfig(lookback=0))
+    eng.generate([system + ids[100:500]], ONE)
+    before = eng.snapshot()
+    eng.generate([system + ids[600:1000]], ONE)
+    after = eng.snapshot()
+    assert after["replayed_tokens"] - before["replayed_tokens"] >= 16
+    assert cache_window(after, before, 0)["branched"] == 0.0

@@ -46,3 +46,14 @@ def _refresh() -> None:
 
 if __name__ == "__main__":
     _refresh()
+
+
+def test_a_trial_whose_hit_rate_still_rises_is_not_judged_yet():
+    """A live overflow run (data/controller_refill.json) judged nr-W64 on its second window, at hit rate 0.27 on its
+    way to 0.52 (above the 0.24 it had before, so no longer 'below its baseline'), found it slower and rejected it
+    (the run ended 1.5x the best static setting). Replayed, the tuner waits while the hit rate still rises and
+    promotes it."""
+    recording = json.loads((DATA.parent / "controller_refill.json").read_text())
+    assert recording["decisions"][2:4] == ["trial nr-W64/L64", "reject nr-W64/L64"]
+    assert replay(_tuner(recording), recording["history"])[:4] == [
+        "trial nr-W16/L64", "promote nr-W16/L64", "trial nr-W64/L64", "promote nr-W64/L64"]
