@@ -167,8 +167,8 @@ class EngineReplica:
 def cache_window(snap: dict, last: dict, tail: int) -> dict:
     """A telemetry window's cache fields from two engine snapshots (`Engine.snapshot`) a window apart: hit rate,
     checkpoint occupancy (and `dispensable`, the share of slots held by lookback checkpoints that eviction takes
-    first), evictions, wr replay time, the compression ratio; lookback checkpoints stored and first reused in the
-    window; `branched`, the share of admitted requests that left a stored prompt's path before its end and
+    first), evictions, wr replay time, the compression ratio; lookback checkpoints stored, first reused and evicted
+    unused in the window; `branched`, the share of admitted requests that left a stored prompt's path before its end and
     replayed the shared part (what a longer lookback would have saved), and `branch_back`, how far before it (the
     median's power-of-two bucket); `lost`: the share of admitted requests
     that resumed behind a checkpoint evicted for room (cache pressure that costs something: evicting what nobody
@@ -186,7 +186,8 @@ def cache_window(snap: dict, last: dict, tail: int) -> dict:
                         - _per(snap, last, "lost_tokens", "sequences_admitted") - tail),
         "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
         "dispensable": snap.get("checkpoint_slots_dispensable", 0) / max(snap["checkpoint_slots"], 1),
-        **{f"lookback_{k}": _kind(snap, "lookback", k) - _kind(last, "lookback", k) for k in ("stored", "reused")},
+        **{f"lookback_{k}": _kind(snap, "lookback", f) - _kind(last, "lookback", f)
+           for k, f in (("stored", "stored"), ("reused", "reused"), ("evicted", "evicted_unused"))},
         **_branched(snap, last),
     }
 

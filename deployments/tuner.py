@@ -37,11 +37,13 @@ and wr replay time.
   least `branch_trigger` of the requests in the replicas' latest windows left a stored prompt's path before its
   end and replayed what they shared with it (`branched`; a repeat, or a request resuming at the branch checkpoint
   an earlier sharer cut, does not count) and a longer lookback from `lookbacks` would have covered how far before
-  (`branch_back`), that lookback is tried ("lookback", judged like a climb). When lookback checkpoints go unreused
-  (at least `lookback_min_stored` stored in those windows, fewer than `lookback_reuse_floor` of that many first
-  reused, and requests do not branch) lookback 0 is tried ("lookback_off", judged like a relax: fewer stores are
-  preferred at equal TTFT). The fit test leaves out the lookback checkpoints eviction takes first (`dispensable`:
-  a reused checkpoint lies below them, so they would save nothing more).
+  (`branch_back`), that lookback is tried ("lookback", judged like a climb). When lookback checkpoints are evicted
+  without ever being loaded (at least `lookback_min_evicted` in those windows, fewer than `lookback_reuse_floor` of
+  that many loaded, and requests do not branch), lookback 0 is set everywhere at once, without a trial
+  ("lookback_off", decision "set"): those checkpoints took pool room and served no hit, so dropping them cannot
+  cost one, and a trial's windows (bench_controller's overflow spent three on one) are better spent on the ladder.
+  (Checkpoints discarded by a layout change do not count.) The fit test leaves out the lookback checkpoints
+  eviction takes first (`dispensable`: a reused checkpoint lies below them, so they would save nothing more).
 Every change bumps a version; replicas poll their assignment and apply it between engine steps. Each decision
 is logged with its evidence (the windows' means that started the trial; the TTFTs that judged it): /status.
 
@@ -105,7 +107,7 @@ class TunerKnobs:
     lookback: int = 0  # the configured lookback (the ladder's)
     lookbacks: tuple[int, ...] = (16, 64, 256)  # lookbacks the controller may pick (and 0); empty: it keeps its own
     branch_trigger: float = 0.1  # share of requests branching before a stored prompt end that starts a lookback trial
-    lookback_min_stored: int = 8  # lookback checkpoints stored in the latest windows before their reuse is judged
+    lookback_min_evicted: int = 8  # lookback checkpoints evicted unused in the latest windows that turn it off
     lookback_reuse_floor: float = 0.05  # reused share of them below which lookback 0 is tried
 
     def permits(self, setting: Setting) -> bool:
@@ -158,6 +160,7 @@ class Window:
     compression: float = 1.0  # dense checkpoint bytes over the running setting's
     dispensable: float = 0.0  # share of slots held by lookback checkpoints eviction takes first
     lookback_stored: int = 0  # lookback checkpoints stored in the window
+    lookback_evicted: int = 0  # lookback checkpoints evicted in the window without ever being loaded
     lookback_reused: int = 0  # lookback checkpoints loaded for the first time in the window
     branched: float = 0.0  # share of admitted requests that left a stored prompt's path before its end and replayed
     branch_back: float = 0.0  # how far before it (tokens; the median's power-of-two bucket)
@@ -223,6 +226,9 @@ class Tuner:
         for w in usable:
             self.recent[w.replica] = self._latest(self.recent.get(w.replica, []) + [w])
         evidence = _evidence(windows)
+        lookback = self._lookback_evidence()
+        if lookback is not None and lookback["off"]:
+            return self._set(replace(self.current, lookback=0), "lookback_off", {**evidence, **lookback["seen"]})
         full = self.knobs.pressure_occupancy
         if any(w.lost > 0 and w.lost >= self.knobs.pressure_lost or (full is not None and w.occupancy >= full)
                for w in windows):
@@ -237,32 +243,39 @@ class Tuner:
             if interval != self.current.interval:
                 return self._start_trial(self._cool(replace(self.current, interval=interval)), "interval",
                                          {**evidence, "replayed_recent": round(replayed, 4)})
-        change = self._lookback_change() if usable else None
-        if change is not None:
-            lookback, kind, seen = change
-            return self._start_trial(self._cool(replace(self.current, lookback=lookback)), kind, {**evidence, **seen})
+        if usable and lookback is not None and lookback["longer"]:
+            return self._start_trial(self._cool(replace(self.current, lookback=lookback["longer"])), "lookback",
+                                     {**evidence, **lookback["seen"]})
         return None
 
-    def _lookback_change(self) -> tuple[int, str, dict] | None:
-        """(lookback, trial kind, evidence) when the replicas' latest windows call for another lookback: longer
-        when requests branch further before stored prompt ends than it reaches, 0 when its checkpoints go unreused."""
+    def _lookback_evidence(self) -> dict | None:
+        """What the replicas' latest windows (`_recent_windows`) say of the lookback: `longer`, the lookback to try
+        when enough requests branch further before stored prompt ends than it reaches (else 0); `off`, whether its
+        checkpoints are evicted unused (pool room they take from others, for no hit) while requests do not branch;
+        `seen`, the figures. None when the operator left no lookbacks to pick, or no replica has enough requests."""
         k = self.knobs
         windows = self._recent_windows()
         requests = sum(w.requests for w in windows)
         if not k.lookbacks or not requests:
             return None
-        branched = sum(w.branched * w.requests for w in windows) / requests
         weight = sum(w.branched * w.requests for w in windows)
+        branched = weight / requests
         back = sum(w.branch_back * w.branched * w.requests for w in windows) / weight if weight else 0.0
-        stored, reused = sum(w.lookback_stored for w in windows), sum(w.lookback_reused for w in windows)
-        seen = {"branched_recent": round(branched, 4), "branch_back_recent": round(back, 1),
-                "lookback_stored": stored, "lookback_reused": reused}
-        if branched >= k.branch_trigger and k.lookback_for(back) > self.current.lookback:
-            return k.lookback_for(back), "lookback", seen
-        if (self.current.lookback and branched < k.branch_trigger and stored >= k.lookback_min_stored
-                and reused < k.lookback_reuse_floor * stored):
-            return 0, "lookback_off", seen
-        return None
+        evicted, reused = sum(w.lookback_evicted for w in windows), sum(w.lookback_reused for w in windows)
+        want = k.lookback_for(back) if branched >= k.branch_trigger else 0
+        return {"longer": want if want > self.current.lookback else 0,
+                "off": bool(self.current.lookback) and branched < k.branch_trigger and evicted >= k.lookback_min_evicted
+                and reused < k.lookback_reuse_floor * evicted,
+                "seen": {"branched_recent": round(branched, 4), "branch_back_recent": round(back, 1),
+                         "lookback_stored": sum(w.lookback_stored for w in windows), "lookback_reused": reused,
+                         "lookback_evicted_unused": evicted}}
+
+    def _set(self, setting: Setting, kind: str, evidence: dict) -> str:
+        """Change the setting everywhere without a trial: for a change the windows show cannot cost a hit (lookback
+        off when none of its checkpoints was loaded), so that no trial's windows are spent on it."""
+        self.current, self.recent = setting, {}
+        self.version += 1
+        return self._log("set", setting, kind=kind, evidence=evidence)
 
     def _latest(self, windows: list[Window]) -> list[Window]:
         """The latest windows that hold `judge_requests` requests and number at least `trial_windows`."""
@@ -335,9 +348,9 @@ class Tuner:
         control = t.control or [(w.ttft_mean_s, w.requests) for w in self.recent.get(t.replica, [])]
         self.trial = None
         self.version += 1
-        # a climb, an interval or a longer lookback must win by the margin; a relax (less compression) or lookback off
-        # (fewer stores) must not lose by more than it
-        margin = 1 + self.knobs.hysteresis if t.kind in ("relax", "lookback_off") else 1 - self.knobs.hysteresis
+        # a climb, an interval or a longer lookback must win by the margin; a relax (less compression) must not lose
+        # by more than it
+        margin = 1 + self.knobs.hysteresis if t.kind == "relax" else 1 - self.knobs.hysteresis
         trial_ttft, control_ttft = _weighted(t.ttft), _weighted(control)
         judged = {"kind": t.kind, "trial_ttft": trial_ttft, "control_ttft": control_ttft,
                   "trial_requests": sum(n for _, n in t.ttft), "control_requests": sum(n for _, n in control)}

@@ -33,15 +33,19 @@ class CacheCounters:
     by_kind: dict[str, int] = field(default_factory=dict)
     reused_by_kind: dict[str, int] = field(default_factory=dict)  # checkpoints loaded at least once
     unused_drops_by_kind: dict[str, int] = field(default_factory=dict)  # left the pool never loaded
+    # of them, evicted (for room, or with their KV) rather than discarded by a layout change (`drop_checkpoints`)
+    unused_evictions_by_kind: dict[str, int] = field(default_factory=dict)
 
     def reuse(self, live: list) -> dict[str, dict[str, int]]:
         """Per kind of checkpoint: stored, reused (loaded at least once), never reused (left the pool without a
-        load, or in it unloaded now: `live`, the tree's checkpointed nodes), and loads."""
+        load; of those, `evicted_unused` were evicted rather than discarded by a layout change), and unloaded in
+        the pool now (`live`: the tree's checkpointed nodes)."""
         out = {}
         for kind, stored in self.by_kind.items():
             waiting = sum(1 for n in live if n.ckpt_kind == kind and n.ckpt_loads == 0)
             out[kind] = {"stored": stored, "reused": self.reused_by_kind.get(kind, 0),
-                         "never_reused": self.unused_drops_by_kind.get(kind, 0), "unused_in_pool": waiting}
+                         "never_reused": self.unused_drops_by_kind.get(kind, 0),
+                         "evicted_unused": self.unused_evictions_by_kind.get(kind, 0), "unused_in_pool": waiting}
         return out
 
 
@@ -54,6 +58,7 @@ class PrefixCache:
         self.select = select
         self.second_hit = SecondHitFilter()
         self.counters = CacheCounters()
+        self._discarding = False  # inside drop_checkpoints: drops are a layout change's, not evictions
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
@@ -169,11 +174,21 @@ class PrefixCache:
             stack.extend(n.children.values())
         return best
 
+    def drop_checkpoints(self) -> None:
+        """Discard every checkpoint (a new layout: the pool is rebuilt); those never loaded count as never reused,
+        not as evicted unused (their placement did not fail: the layout changed)."""
+        self._discarding = True
+        try:
+            self.tree.drop_checkpoints()
+        finally:
+            self._discarding = False
+
     def _dropped(self, node: Node) -> None:
         """A checkpoint leaves the pool: count it if it never served a load."""
         if node.ckpt_loads == 0 and node.ckpt_kind is not None:
-            drops = self.counters.unused_drops_by_kind
-            drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
+            for drops in (self.counters.unused_drops_by_kind,
+                          *(() if self._discarding else (self.counters.unused_evictions_by_kind,))):
+                drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, private: list[torch.Tensor] = ()) -> None:

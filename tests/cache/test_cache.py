@@ -183,8 +183,12 @@ def test_a_lookback_checkpoint_goes_first_once_a_checkpoint_below_it_is_reused()
     assert lb.node.checkpoint is None and end.node.checkpoint is not None  # dominated: first out, LRU or not
     live = [n for n in cache.tree.nodes() if n.checkpoint is not None]
     assert cache.counters.reuse(live)["lookback"] == {"stored": 2, "reused": 0, "never_reused": 2,
-                                                      "unused_in_pool": 0}
+                                                      "evicted_unused": 2, "unused_in_pool": 0}
     cache.check_integrity()
+    assert cache.store_checkpoint(lb.node, cache.store.write(_state(1.0)), "lookback")
+    cache.drop_checkpoints()  # a layout change discards it: never reused, but not evicted for want of use
+    assert cache.counters.reuse([])["lookback"] == {"stored": 3, "reused": 0, "never_reused": 3,
+                                                    "evicted_unused": 2, "unused_in_pool": 0}
 
 
 def test_checkpoint_eviction_flop_aware_prefers_cheap_prefixes():

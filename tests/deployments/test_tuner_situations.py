@@ -178,22 +178,26 @@ def test_requests_branching_before_stored_prompt_ends_get_a_lookback_that_reache
     assert _run(fixed, windows) == []  # the operator left the controller no lookback to pick
 
 
-def test_lookback_checkpoints_nobody_reuses_are_turned_off_unless_that_is_slower():
-    """Unrelated prompts: every request stores a lookback checkpoint and none is ever loaded, no request branches
-    before a stored prompt end: lookback 0 is tried and kept at equal TTFT (fewer stores); if it were slower by
-    more than the hysteresis it would be rejected."""
-    def windows(version, replica, s: Setting, off_ttft: float = 0.20) -> Window:
-        stored = 10 if s.lookback else 0
-        return Window(replica, version, 20, off_ttft if not s.lookback else 0.20, 0.2, 0.5, 0,
-                      lookback_stored=stored)
+def test_lookback_checkpoints_evicted_unused_are_turned_off_at_once_and_stored_unused_ones_are_kept():
+    """Unrelated prompts in a full pool: lookback checkpoints are evicted without ever being loaded, and no request
+    branches before a stored prompt end: lookback 0 is set everywhere at once (no trial: they served no hit, so
+    dropping them cannot cost one), and the next climb starts from there. In a pool with room they sit unused but
+    evict nothing: they cost a store each, nothing is changed. Some of them loaded (a few-shot header's first
+    queries) keeps them too."""
+    def windows(version, replica, s: Setting, evicted: int = 6, reused: int = 0) -> Window:
+        return Window(replica, version, 20, 0.20, 0.2, 1.0 if evicted else 0.5, evicted,
+                      lookback_stored=10 if s.lookback else 0, lookback_evicted=evicted if s.lookback else 0,
+                      lookback_reused=reused if s.lookback else 0)
 
     t = Tuner(KNOBS, initial=Setting(None, "nr", 0, 64))
-    assert _run(t, windows) == ["trial dense", "promote dense"]
+    assert _run(t, windows)[:1] == ["set dense"]
     assert t.current == Setting(None) and t.decisions[0]["kind"] == "lookback_off"
-    assert t.decisions[0]["evidence"]["lookback_stored"] == 20 and t.decisions[0]["evidence"]["lookback_reused"] == 0
-    slower = Tuner(KNOBS, initial=Setting(None, "nr", 0, 64))
-    assert _run(slower, lambda v, r, s: windows(v, r, s, off_ttft=0.25))[:2] == ["trial dense", "reject dense"]
-    assert slower.current == Setting(None, "nr", 0, 64)
+    assert t.decisions[0]["evidence"]["lookback_evicted_unused"] == 12
+    assert t.decisions[0]["evidence"]["lookback_reused"] == 0 and t.decisions[0]["window"] == 1
+    roomy = Tuner(KNOBS, initial=Setting(None, "nr", 0, 64))
+    assert _run(roomy, lambda v, r, s: windows(v, r, s, evicted=0)) == []
+    used = Tuner(KNOBS, initial=Setting(None, "nr", 0, 64))
+    assert _run(used, lambda v, r, s: windows(v, r, s, reused=2)) == []
 
 
 def test_the_fit_test_leaves_out_lookback_checkpoints_eviction_takes_first():

@@ -52,7 +52,8 @@ def test_a_new_headers_first_query_resumes_inside_the_header_and_equals_a_cold_r
         assert out.output_ids == cold.generate([query], ONE)[0][0].output_ids
     reuse = engine.snapshot()["checkpoint_reuse_by_kind"]
     # the warm-ups stored one each; the queries, which resumed from them, cut a branch at the header's end instead
-    assert reuse["lookback"] == {"stored": HEADERS, "reused": HEADERS, "never_reused": 0, "unused_in_pool": 0}
+    assert reuse["lookback"] == {"stored": HEADERS, "reused": HEADERS, "never_reused": 0, "evicted_unused": 0,
+                                 "unused_in_pool": 0}
     assert reuse["branch"]["stored"] == HEADERS
     assert reuse["prompt_end"]["reused"] == 0 and reuse["prompt_end"]["unused_in_pool"] == 2 * HEADERS
 
