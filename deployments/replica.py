@@ -173,8 +173,9 @@ def cache_window(snap: dict, last: dict, tail: int) -> dict:
     median's power-of-two bucket); `lost`: the share of admitted requests
     that resumed behind a checkpoint evicted for room (cache pressure that costs something: evicting what nobody
     asks for again costs nothing); and `replayed`: the tokens an admitted request recomputed between its
-    checkpoint and the end of its KV match, less those an evicted checkpoint would have saved and less the nr
-    recompute `tail` (which a hit replays by design): what interval checkpoints would shorten."""
+    checkpoint and the end of its KV match, less those an evicted checkpoint or one a layout change discarded
+    would have saved (the replay after a retune is not what intervals shorten) and less the nr recompute `tail`
+    (which a hit replays by design): what interval checkpoints would shorten."""
     prompt = snap["prompt_tokens"] - last["prompt_tokens"]
     return {
         "hit_rate": (snap["cached_tokens"] - last["cached_tokens"]) / prompt if prompt else 0.0,
@@ -183,7 +184,8 @@ def cache_window(snap: dict, last: dict, tail: int) -> dict:
         "wr_replay_s": snap["wr_replay_s"] - last["wr_replay_s"],
         "lost": _per(snap, last, "sequences_lost", "sequences_admitted"),
         "replayed": max(0.0, _per(snap, last, "replayed_tokens", "sequences_admitted")
-                        - _per(snap, last, "lost_tokens", "sequences_admitted") - tail),
+                        - _per(snap, last, "lost_tokens", "sequences_admitted")
+                        - _per(snap, last, "discarded_tokens", "sequences_admitted") - tail),
         "compression": snap["dasc"]["compression_ratio"] if snap.get("dasc") else 1.0,
         "dispensable": snap.get("checkpoint_slots_dispensable", 0) / max(snap["checkpoint_slots"], 1),
         **{f"lookback_{k}": _kind(snap, "lookback", f) - _kind(last, "lookback", f)

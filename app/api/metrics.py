@@ -49,6 +49,7 @@ ENGINE_GAUGES = {
     "checkpoint_loads": "checkpoints loaded (cache hits) so far",
     "replayed_tokens": "tokens recomputed from an earlier checkpoint so far",
     "lost_tokens": "of them, tokens a checkpoint evicted for room would have saved",
+    "discarded_tokens": "of them, beyond those, tokens checkpoints a layout change discarded would have saved",
     "wr_replay_tokens": "tokens replayed by dasc-wr refreshes so far",
     "running": "sequences running",
     "waiting": "sequences waiting",

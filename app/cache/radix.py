@@ -41,6 +41,7 @@ class Node:
     kv_access: int = 0  # refreshed along the path on every match and insert
     ckpt_access: int = 0  # refreshed only when this node's checkpoint is stored or used
     evicted: bool = False  # its checkpoint was evicted for room (until one is stored here again)
+    discarded: bool = False  # its checkpoint was discarded by a layout change (`drop_checkpoints`; likewise)
     ckpt_kind: str | None = None  # why its checkpoint was stored (prompt_end, branch, lookback, ...)
     ckpt_loads: int = 0  # times its checkpoint was loaded since it was stored
     salt: str | None = None  # a root's cache salt (other nodes: None; their root tells)
@@ -55,7 +56,9 @@ class MatchResult(NamedTuple):
     no checkpoint and sits at most at `limit`, else 0: a prefix worth checkpointing again after its checkpoint
     was evicted; lost_len: depth of the deepest node on the matched path below the checkpoint and at most
     `limit` whose checkpoint was evicted for room (`Node.evicted`), else 0: the request would have resumed there
-    had the pool kept it (what cache pressure costs, unlike a replay from where no checkpoint was ever cut)."""
+    had the pool kept it (what cache pressure costs, unlike a replay from where no checkpoint was ever cut);
+    discarded_len: the same for a checkpoint a layout change discarded (`Node.discarded`; at any depth of the match,
+    capped at `limit`): the replay a retune costs once, which neither more room nor more checkpoints would save."""
 
     kv_len: int
     kv_node: Node | None
@@ -64,6 +67,7 @@ class MatchResult(NamedTuple):
     kv_slots: torch.Tensor
     fork_len: int = 0
     lost_len: int = 0
+    discarded_len: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -118,7 +122,7 @@ class RadixTree:
         node, pos = self.roots.get(salt), 0
         if node is None:
             return MatchResult(0, None, None, 0, torch.zeros(0, dtype=torch.long))
-        best, best_len, fork, lost = None, 0, 0, 0
+        best, best_len, fork, lost, discarded = None, 0, 0, 0, 0
         path_slots: list[torch.Tensor] = []
         best_slots = 0
         while pos < len(tokens):
@@ -136,6 +140,8 @@ class RadixTree:
             elif node.depth <= limit:
                 fork = node.depth if len(node.children) >= 2 else fork
                 lost = node.depth if node.evicted else lost
+            if node.discarded:  # at any depth: under a new tail the old checkpoint may lie past `limit`
+                discarded = min(node.depth, limit)
         if touch:
             now = next(self._clock)
             walk = node
@@ -146,7 +152,7 @@ class RadixTree:
                 best.ckpt_access = now
         slots = torch.cat(path_slots[:best_slots]) if best_slots else torch.zeros(0, dtype=torch.long)
         return MatchResult(pos, node, best, best_len, slots, fork if fork > best_len else 0,
-                           lost if lost > best_len else 0)
+                           lost if lost > best_len else 0, discarded if discarded > best_len else 0)
 
     # ------------------------------------------------------------------ updates
     def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> InsertResult:
@@ -197,7 +203,7 @@ class RadixTree:
     def set_checkpoint(self, node: Node, slot: int, kind: str | None = None) -> int | None:
         """Attach checkpoint `slot` (stored for `kind`) at `node`'s end; returns the slot it replaces (to free),
         if any. Setting the slot the node already holds refreshes it (its kind and loads stay)."""
-        old, node.checkpoint, node.evicted = node.checkpoint, slot, False
+        old, node.checkpoint, node.evicted, node.discarded = node.checkpoint, slot, False, False
         if old != slot:
             node.ckpt_kind, node.ckpt_loads = kind, 0
         node.ckpt_access = next(self._clock)
@@ -250,10 +256,12 @@ class RadixTree:
         return slot
 
     def drop_checkpoints(self) -> None:
-        """Forget every checkpoint (a new layout empties the pool), and which ones were evicted for room."""
+        """Forget every checkpoint (a new layout empties the pool), and which ones were evicted for room; mark the
+        nodes that held one as discarded."""
         for node in self.nodes():
             if node.checkpoint is not None:
                 self.on_drop(node)
+            node.discarded = node.checkpoint is not None or node.discarded
             node.checkpoint, node.evicted = None, False
 
     # ------------------------------------------------------------------ inspection

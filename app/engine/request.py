@@ -142,6 +142,7 @@ class Sequence:
     cached_len: int = 0  # prompt tokens served by the cache at (first) admission
     replayed: int = 0  # tokens recomputed although their KV was cached (replay from an earlier checkpoint)
     lost: int = 0  # of them, those a checkpoint evicted for room would have saved (`MatchResult.lost_len`)
+    discarded: int = 0  # of them, beyond `lost`, those a checkpoint a layout change discarded would have saved
     # tokens before a stored prompt's end where it left that prompt's path, if it then replayed at least
     # checkpoint_min_gap tokens of the shared part (not for want of an evicted checkpoint): what a longer lookback
     # would have saved

@@ -184,6 +184,7 @@ class Scheduler:
             seq.cached_len = min(seq.num_computed, seq.prompt_len)
             seq.replayed = max(0, min(match.kv_len, limit) - seq.num_computed) if match is not None else 0
             seq.lost = max(0, match.lost_len - seq.num_computed) if match is not None else 0
+            seq.discarded = max(0, match.discarded_len - seq.num_computed - seq.lost) if match is not None else 0
             if match is not None and match.kv_len < limit and not seq.lost and \
                     seq.replayed >= self.cfg.checkpoint_min_gap:  # it branched and replays the shared part: how far
                 seq.branch_back = self.cache.branch_back(match, min(BRANCH_REACH, match.kv_len))  # before its end

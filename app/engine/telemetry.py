@@ -32,6 +32,7 @@ class Telemetry:
         self.cached_tokens = 0
         self.replayed_tokens = 0
         self.lost_tokens = 0  # of them, those a checkpoint evicted for room would have saved
+        self.discarded_tokens = 0  # of them, beyond those, what checkpoints a layout change discarded would have saved
         self.lost = 0  # sequences that resumed behind a checkpoint evicted for room
         # sequences that left a stored prompt's path before its end, by distance (rounded up to a power of two)
         self.branch_back: dict[int, int] = {}
@@ -61,6 +62,7 @@ class Telemetry:
         self.cached_tokens += seq.cached_len
         self.replayed_tokens += seq.replayed
         self.lost_tokens += seq.lost
+        self.discarded_tokens += seq.discarded
         self.lost += seq.lost > 0
         if seq.branch_back is not None:
             bucket = 1 << max(0, seq.branch_back - 1).bit_length()
@@ -95,6 +97,7 @@ class Telemetry:
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "replayed_tokens": self.replayed_tokens,
             "lost_tokens": self.lost_tokens,
+            "discarded_tokens": self.discarded_tokens,
             "sequences_lost": self.lost,
             "sequences_branched": dict(sorted(self.branch_back.items())),
             "output_tokens": self.output_tokens,

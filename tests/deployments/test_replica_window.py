@@ -97,3 +97,23 @@ def test_a_prompt_sharing_only_a_short_prefix_with_a_stored_one_does_not_count_a
     after = eng.snapshot()
     assert after["replayed_tokens"] - before["replayed_tokens"] >= 16
     assert cache_window(after, before, 0)["branched"] == 0.0
+
+
+def test_replays_after_a_layout_change_are_not_counted_as_replayed():
+    """A codec change discards every checkpoint: the next repeat of a prompt replays it from scratch although its KV
+    is cached. That is the retune's one-off cost, not a placement interval checkpoints would improve: bench_controller's
+    overflow situation tried an interval after every rejected W_max trial (the replica went back to its old layout and
+    its next window replayed ~500 tokens a request). Nor is it cache pressure (`lost`)."""
+    model, tok = load_zoo("kda-tiny")
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8))
+    prompt = tok.encode(open(__file__).read())[:300]
+    eng.generate([prompt], ONE)
+    eng.retune(w_max=16, policy="nr")
+    before = eng.snapshot()
+    eng.generate([prompt], ONE)
+    after = eng.snapshot()
+    assert after["replayed_tokens"] - before["replayed_tokens"] >= 250
+    window = cache_window(after, before, eng.cfg.tail)
+    assert window["replayed"] == 0.0 and window["lost"] == 0.0
+    eng.generate([prompt], ONE)  # stored again under the new layout: a plain hit
+    assert cache_window(eng.snapshot(), after, eng.cfg.tail)["hit_rate"] > 0.5
