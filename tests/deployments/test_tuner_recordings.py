@@ -3,7 +3,8 @@ each one's knobs, start setting, and every telemetry window and tick it received
 decisions in a fresh tuner, and those decisions are the situations' expected outcomes: (a) a working set that does
 not fit dense moves to a compressed setting, (b) a compressed start returns to dense when dense fits, (c)
 conversations whose next turns replay long stretches get a checkpoint interval. Refresh the file from a new run's
-loadtest/results/bench_controller_cpu.json (`python -m tests.deployments.test_tuner_recordings`)."""
+loadtest/results/bench_controller_cpu.json (`python -m tests.deployments.test_tuner_recordings [VARIANT]`; the file
+now holds the run with lookback checkpoints on, as configs/config.yaml ships: `kda-tiny/engine-ece0ac14`)."""
 
 from __future__ import annotations
 
@@ -37,15 +38,17 @@ def test_a_recorded_controller_replays_to_its_decisions(situation):
         assert tuner.current.interval > 0 and tuner.current.w_max is None  # (c) an interval, and no compression
 
 
-def _refresh() -> None:
-    """Copy the controller arms' recordings out of the latest bench_controller results (kda-tiny's run)."""
-    rows = json.loads(RESULTS.read_text())["runs"]["kda-tiny"]["results"]["rows"]
+def _refresh(variant: str = "kda-tiny") -> None:
+    """Copy the controller arms' recordings out of the latest bench_controller results (`variant`'s run)."""
+    rows = json.loads(RESULTS.read_text())["runs"][variant]["results"]["rows"]
     out = {r["situation"]: {**r["recording"], "decisions": r["decisions"]} for r in rows if "recording" in r}
     DATA.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    _refresh()
+    import sys
+
+    _refresh(*sys.argv[1:])
 
 
 def test_a_trial_whose_hit_rate_still_rises_is_not_judged_yet():
