@@ -32,7 +32,7 @@ from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixtur
 )
 
 pytestmark = pytest.mark.slow
-PINNED = {"w_max": 64, "policy": "nr", "interval": 0}
+PINNED = {"w_max": 64, "policy": "nr", "interval": 0, "lookback": 64}
 
 
 @pytest.fixture(scope="module")

@@ -98,8 +98,9 @@ def test_trial_warmup_window_is_not_judged():
 
 
 def test_trial_waits_while_its_hit_rate_is_refilling():
-    """After the warm-up window, windows whose hit rate is still below the pre-trial one are not judged
-    either, for at most refill_windows; then the trial is judged whatever its hit rate."""
+    """After the warm-up window, windows whose hit rate is still below the pre-trial one, or still rising by more
+    than refill_rise over the window before, are not judged either, for at most refill_windows; then the trial is
+    judged whatever its hit rate."""
     t = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=2))
     t.assignment("r0")
     t.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, lost=0.5))
@@ -108,8 +109,17 @@ def test_trial_waits_while_its_hit_rate_is_refilling():
     assert t.tick() is None
     t.report(Window("r0", 2, 10, 0.50, 0.2, 0.6, 0))  # still refilling: hit rate below 0.5
     assert t.tick() is None
-    t.report(Window("r0", 2, 10, 0.10, 0.9, 1.0, 0))
+    t.report(Window("r0", 2, 10, 0.10, 0.9, 1.0, 0))  # above 0.5, but still rising (from 0.2)
+    assert t.tick() is None
+    t.report(Window("r0", 2, 10, 0.10, 0.9, 1.0, 0))  # settled
     assert t.tick() == "promote nr-W16"
+    capped = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=1))
+    capped.assignment("r0")
+    capped.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, lost=0.5))
+    capped.tick()
+    for hit, decision in ((0.1, None), (0.5, None), (0.9, "promote nr-W16")):  # rising every window: cap spent
+        capped.report(Window("r0", 2, 10, 0.10, hit, 1.0, 0))
+        assert capped.tick() == decision
     slow = Tuner(TunerKnobs(allowed=ANY, trial_windows=1, warmup_windows=1, refill_windows=1))
     slow.assignment("r0")
     slow.report(Window("r0", 1, 10, 0.30, 0.5, 1.0, 3, lost=0.5))
