@@ -108,7 +108,7 @@ class TunerKnobs:
     lookbacks: tuple[int, ...] = (16, 64, 256)  # lookbacks the controller may pick (and 0); empty: it keeps its own
     branch_trigger: float = 0.1  # share of requests branching before a stored prompt end that starts a lookback trial
     lookback_min_evicted: int = 8  # lookback checkpoints evicted unused in the latest windows that turn it off
-    lookback_reuse_floor: float = 0.05  # reused share of them below which lookback 0 is tried
+    lookback_reuse_floor: float = 0.05  # loaded share of them below which lookback 0 is set
 
     def permits(self, setting: Setting) -> bool:
         return setting.w_max is None or (self.allowed is not None and setting.codec in self.allowed)
