@@ -58,7 +58,6 @@ class PrefixCache:
         self.select = select
         self.second_hit = SecondHitFilter()
         self.counters = CacheCounters()
-        self._discarding = False  # inside drop_checkpoints: drops are a layout change's, not evictions
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
@@ -174,20 +173,12 @@ class PrefixCache:
             stack.extend(n.children.values())
         return best
 
-    def drop_checkpoints(self) -> None:
-        """Discard every checkpoint (a new layout: the pool is rebuilt); those never loaded count as never reused,
-        not as evicted unused (their placement did not fail: the layout changed)."""
-        self._discarding = True
-        try:
-            self.tree.drop_checkpoints()
-        finally:
-            self._discarding = False
-
     def _dropped(self, node: Node) -> None:
-        """A checkpoint leaves the pool: count it if it never served a load."""
+        """A checkpoint leaves the pool: count it if it never served a load (as evicted unused too, unless a layout
+        change discarded it: its placement did not fail)."""
         if node.ckpt_loads == 0 and node.ckpt_kind is not None:
             for drops in (self.counters.unused_drops_by_kind,
-                          *(() if self._discarding else (self.counters.unused_evictions_by_kind,))):
+                          *(() if node.discarded else (self.counters.unused_evictions_by_kind,))):
                 drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
 
     # ------------------------------------------------------------------ integrity

@@ -259,9 +259,9 @@ class RadixTree:
         """Forget every checkpoint (a new layout empties the pool), and which ones were evicted for room; mark the
         nodes that held one as discarded."""
         for node in self.nodes():
-            if node.checkpoint is not None:
-                self.on_drop(node)
             node.discarded = node.checkpoint is not None or node.discarded
+            if node.checkpoint is not None:
+                self.on_drop(node)  # (marked first: `on_drop` tells a discard from an eviction by it)
             node.checkpoint, node.evicted = None, False
 
     # ------------------------------------------------------------------ inspection

@@ -79,7 +79,7 @@ class Engine:
         policy change included, keeps the checkpoints. Running sequences keep their active states."""
         new = replace(self.cfg, **changes)
         if new.checkpoint_settings != self.cfg.checkpoint_settings:
-            self.cache.drop_checkpoints()
+            self.cache.tree.drop_checkpoints()
             self.worker.configure_checkpoints(new)
             self.cache.checkpoints = self._pool()
             self.cache.select = self._select(new)

@@ -186,7 +186,7 @@ def test_a_lookback_checkpoint_goes_first_once_a_checkpoint_below_it_is_reused()
                                                       "evicted_unused": 2, "unused_in_pool": 0}
     cache.check_integrity()
     assert cache.store_checkpoint(lb.node, cache.store.write(_state(1.0)), "lookback")
-    cache.drop_checkpoints()  # a layout change discards it: never reused, but not evicted for want of use
+    cache.tree.drop_checkpoints()  # a layout change discards it: never reused, but not evicted for want of use
     assert cache.counters.reuse([])["lookback"] == {"stored": 3, "reused": 0, "never_reused": 3,
                                                     "evicted_unused": 2, "unused_in_pool": 0}
 
