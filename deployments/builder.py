@@ -167,6 +167,13 @@ class ApiArgs(_Strict):
     queue_timeout_s: float = Field(60.0, gt=0, description="a request not started by then is answered 503")
     max_buffered_chunks: int = Field(256, ge=1, description="stream chunks a client may fall behind before its "
                                      "request is aborted")
+    max_tools: int = Field(128, ge=0, description="functions in one request's tools")
+    max_tools_chars: int = Field(65536, ge=0, description="characters of one request's tool JSON (413 beyond)")
+    max_tool_calls: int = Field(16, ge=1, description="tool calls in one answer")
+    max_grammar_compile_s: float = Field(5.0, gt=0, description="the tools' parameter schemas must compile into a "
+                                         "grammar within this (400 beyond)")
+    recall_tokens: int = Field(1 << 22, ge=0, description="ids of recent chat answers kept, so that a re-sent "
+                               "answer resumes from the ids generated (0: off; docs/serving.md, Tool calls)")
 
 
 class ServeArgs(_Strict):

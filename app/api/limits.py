@@ -23,6 +23,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's cap
 
 if TYPE_CHECKING:
+    from app.api.recall import Recall
     from app.api.routes import ApiSettings
 
 
@@ -56,14 +57,18 @@ def completion_prompts(body: CompletionRequest, tok: Tokenizer, settings: ApiSet
     return [list(p) for p in prompt] if batch else [list(prompt)]
 
 
-def chat_prompt(body, tok: Tokenizer, settings: ApiSettings, add_generation_prompt: bool = True) -> list[int]:
-    """The ids of `body.messages` (a chat completion's, or /tokenize's)."""
+def chat_prompt(body, tok: Tokenizer, settings: ApiSettings, add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, recall: Recall | None = None) -> list[int]:
+    """The ids of `body.messages` and `tools` (a chat completion's, or /tokenize's). With `recall`, a re-sent
+    answer keeps the ids it was generated as (app/api/recall.py)."""
     _over("messages", "messages in one request", len(body.messages), settings.max_messages)
+    messages = [m.template_dict() for m in body.messages]
     try:
-        return tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages],
-                               add_generation_prompt=add_generation_prompt)
+        pieces = tok.chat_pieces(messages, add_generation_prompt, tools)
+        ids = None if recall is None else recall.prompt_ids(tok, messages, tools, pieces, body.cache_salt)
     except (ValueError, jinja2.TemplateError) as e:  # the model's template refused the conversation
         raise ApiError(400, f"messages: {e}", param="messages") from e
+    return tok.encode_pieces(pieces) if ids is None else ids
 
 
 def guided_json(body, tok: Tokenizer) -> str | None:
@@ -85,8 +90,11 @@ def guided_json(body, tok: Tokenizer) -> str | None:
     return text
 
 
-def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int,
-                    vocab_size: int, guided_json: str | None = None) -> SamplingParams:
+def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int, vocab_size: int,
+                    guided_json: str | None = None, guided_tools: str | None = None,
+                    engine_stops: bool = True) -> SamplingParams:
+    """`engine_stops` False: the stop strings are checked here but applied by the API (to the content outside
+    tool calls), not by the engine."""
     n_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
     echo = getattr(body, "echo", False)
     if n_tokens == 0 and not echo:
@@ -111,13 +119,14 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
     prompt_logprobs = body.logprobs if echo and body.logprobs is not None else (0 if echo and n_tokens == 0 else None)
     try:
         return SamplingParams(max_tokens=n_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              stop=tuple(stops), seed=body.seed, n=body.n, ignore_eos=body.ignore_eos,
+                              stop=tuple(stops) if engine_stops and guided_tools is None else (), seed=body.seed,
+                              n=body.n, ignore_eos=body.ignore_eos,
                               cache_salt=body.cache_salt, logprobs=body.top_logprobs_wanted,
                               stop_token_ids=stop_ids, presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens,
                               prompt_logprobs=prompt_logprobs, cache_lossless=body.cache_lossless,
-                              guided_json=guided_json)
+                              guided_json=guided_json, guided_tools=guided_tools)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
 

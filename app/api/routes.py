@@ -24,10 +24,11 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api import limits
+from app.api import limits, tool_answers, tools
 from app.api.errors import ApiError, error_response, from_backend, openapi_responses, strip_422
 from app.api.guards import Guard, RequestId
 from app.api.logprobs import CompletionLogprobs, chat_logprobs
+from app.api.recall import Recall
 from app.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,11 +89,17 @@ class ApiSettings:
     max_in_flight: int = 256  # generation requests open in this API process; beyond: 429
     queue_timeout_s: float = 60.0  # a request not started by then: 503
     max_buffered_chunks: int = 256  # stream chunks a client may fall behind before its request is aborted
+    max_tools: int = 128  # functions in one request's tools (OpenAI's cap)
+    max_tools_chars: int = 65536  # characters of one request's tool JSON
+    max_tool_calls: int = 16  # calls in one answer (parallel_tool_calls: false is 1)
+    max_grammar_compile_s: float = 5.0  # the tools' parameter schemas compile within this, or the request is a 400
+    recall_tokens: int = 1 << 22  # ids of recent chat answers kept so a re-sent answer keeps them (0: off)
 
 
 def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     app = FastAPI(title="dasc-serve", version="0.1.0", redirect_slashes=False)  # a 307 has no JSON body
     tok = backend.tokenizer
+    recall = Recall(settings.recall_tokens)
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        max_in_flight=settings.max_in_flight)
     if settings.request_id_header:
@@ -118,18 +125,20 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(await backend.metrics_text(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await backend.metrics_text() + recall.metrics_text(),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/status")
     async def status():
-        return await backend.status()
+        return {**await backend.status(), "recall": dict(recall.stats)}
 
     @app.post("/tokenize", responses=openapi_responses(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest):
         """vLLM's: the ids a prompt, or a conversation formatted as chat completions format it, becomes."""
         limits.check_request(body, settings)
+        tool_json = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         ids = (tok.encode(body.prompt) if body.prompt is not None else
-               limits.chat_prompt(body, tok, settings, body.add_generation_prompt))
+               limits.chat_prompt(body, tok, settings, body.add_generation_prompt, tool_json))
         return {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=openapi_responses(400, 401, 404, 413))
@@ -171,19 +180,26 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     @app.post("/v1/chat/completions", responses=GENERATION)
     async def chat(body: ChatCompletionRequest, request: Request):
         limits.check_request(body, settings)
-        prompt = limits.chat_prompt(body, tok, settings)
+        plan = await tools.plan(body, tok, settings)
+        prompt = limits.chat_prompt(body, tok, settings, tools=plan and plan.tools, recall=recall)
         limits.check_prompt(prompt, settings, tok)
         asked = body.max_completion_tokens or body.max_tokens
         if asked is None:  # chat's default, as vLLM's: the rest of the context (within the operator's limit)
             asked = max(1, min(settings.max_tokens_limit, backend.max_model_len - len(prompt)))
-        params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size, limits.guided_json(body, tok))
+        reads_calls = plan is not None and plan.reads_calls
+        params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size, limits.guided_json(body, tok),
+                                        guided_tools=plan and plan.guided, engine_stops=not reads_calls)
         _validate(backend, prompt, params)
         rid = _request_id("chatcmpl", request)
+        if reads_calls:
+            return await _chat_tools(body, plan, prompt, params, rid, settings, tok)
         outputs = _start(backend, [prompt], params, settings, body.stream)
         if body.stream:
-            return _sse(_stream_chat(await _first(outputs), body, rid, settings, tok))
+            return _sse(_stream_chat(await _first(outputs), body, rid, settings, tok, lambda ids: _remember(
+                body, prompt, ids)))
         final, entries, _ = await _collect(outputs, params.logprobs is not None)
         outs = [out for _, out in sorted(final.items())]
+        _remember(body, prompt, [o.output_ids for o in outs])
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": None if params.logprobs is None else chat_logprobs(tok, *zip(*entries[(0, o.index)])),
                     "finish_reason": o.finish_reason} for o in outs]
@@ -191,6 +207,29 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 "system_fingerprint": _fingerprint(outs[0]), "choices": choices,
                 "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens,
                                any(o.compressed_hit for o in outs))}
+
+    def _remember(body: ChatCompletionRequest, prompt: list[int], outputs: list[list[int]]) -> None:
+        """Keep the answers for the turn that re-sends one of them (app/api/recall.py)."""
+        if recall.max_tokens:
+            text = tok.decode(prompt)
+            for ids in outputs:
+                recall.remember(body.cache_salt, text, prompt, ids)
+
+    async def _chat_tools(body, plan, prompt, params, rid, settings, tok):
+        stops = tuple(body.stop or ()) if not plan.forced else ()
+        outputs = _start(backend, [prompt], params, settings, True)
+        if body.stream:
+            return _sse(_stream_chat_tools(await _first(outputs), body, plan, stops, params, rid, settings, tok,
+                                           lambda ids: _remember(body, prompt, ids)))
+        choices, head = await tool_answers.collect(aiter(outputs), plan, stops, params.n, tok)
+        _remember(body, prompt, [c.ids for _, c in sorted(choices.items())])
+        answers = [{"index": j, "message": c.message(), "finish_reason": c.finish_reason,
+                    "logprobs": chat_logprobs(tok, *zip(*c.entries)) if params.logprobs is not None else None}
+                   for j, c in sorted(choices.items())]
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
+                "system_fingerprint": _fingerprint(head), "choices": answers,
+                "usage": usage(head.prompt_tokens, sum(len(c.ids) for c in choices.values()), head.cached_tokens,
+                               head.compressed_hit)}
 
     return app
 
@@ -333,12 +372,13 @@ async def _stream_completions(outputs, prompts, params, body, rid, settings, tok
                **({"system_fingerprint": _fingerprint(first)} if first is not None else {})}
 
 
-async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, comp_t, started, head, compressed = now(), 0, set(), None, False
+async def _stream_chat(outputs, body, rid, settings, tok, remember) -> AsyncIterator[dict]:
+    created, comp_t, started, head, compressed, ids = now(), 0, set(), None, False, {}
     async with aclosing(outputs):
         async for _, out in outputs:
             head, compressed = head or out, compressed or out.compressed_hit
             comp_t += len(out.new_token_ids)
+            ids.setdefault(out.index, []).extend(out.new_token_ids)
             delta = {} if out.index in started else {"role": "assistant"}
             started.add(out.index)
             if out.new_text:
@@ -348,10 +388,37 @@ async def _stream_chat(outputs, body, rid, settings, tok) -> AsyncIterator[dict]
                 choice = {"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
                 yield {"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": settings.model_name, "choices": [choice]}
+    remember([v for _, v in sorted(ids.items())])
     if body.include_usage and head is not None:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
                "system_fingerprint": _fingerprint(head), "choices": [],
                "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens, compressed)}
+
+
+async def _stream_chat_tools(outputs, body, plan, stops, params, rid, settings, tok, remember) -> AsyncIterator[dict]:
+    """A tool-reading chat's chunks: per choice, the role first, then its content and tool-call deltas; the
+    finish_reason (and logprobs) on the chunk of the output that carried them."""
+    created, choices, heads = now(), {}, []
+
+    def chunk(index: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    started = set()
+    async for j, deltas, finish, lp in tool_answers.events(outputs, plan, stops, params.n, tok, choices, heads):
+        if j not in started:
+            started.add(j)
+            yield chunk(j, {"role": "assistant", "content": ""})
+        for k, delta in enumerate(deltas):
+            yield chunk(j, delta, None, lp if k == 0 else None)
+        if finish is not None or (lp and not deltas):
+            yield chunk(j, {}, finish, None if deltas else lp)
+    remember([c.ids for _, c in sorted(choices.items())])
+    if body.include_usage and heads:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
+               "system_fingerprint": _fingerprint(heads[0]), "choices": [],
+               "usage": usage(heads[0].prompt_tokens, sum(len(c.ids) for c in choices.values()),
+                              heads[0].cached_tokens, any(h.compressed_hit for h in heads))}
 
 
 def _text_chunk(rid, created, settings, index, text, finish_reason, logprobs: dict | None = None) -> dict:

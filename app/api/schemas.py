@@ -35,14 +35,13 @@ STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 TOP_LEVEL = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 # Accepted and ignored: they change nothing about a completion (docs/serving.md, "Request fields").
-# `parallel_tool_calls` only matters with `tools`, which are refused; `prompt_cache_key` is OpenAI's routing
-# hint (our router matches prefixes by themselves).
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "parallel_tool_calls"})
+# `prompt_cache_key` is OpenAI's routing hint (our router matches prefixes by themselves).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 # Unsupported fields whose value asks for nothing beyond the default (a client library filling every field):
-# accepted. Any other value is refused naming the field.
-NEUTRAL_VALUES = {"suffix": (None, ""), "tools": (None, []),
-                  "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none")}
+# accepted. Any other value is refused naming the field. (`functions` and `function_call` are the legacy form of
+# `tools` and `tool_choice`.) On a completion, `tools` and the like are undeclared, so refused the same way.
+NEUTRAL_VALUES = {"suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+                  "function_call": (None, "none"), "parallel_tool_calls": (None, True, False)}
 
 
 def unsupported_field(extra: dict | None, n: int = 1) -> str | None:
@@ -59,11 +58,10 @@ def unsupported_field(extra: dict | None, n: int = 1) -> str | None:
     return None
 
 
-# Inside a chat message: `name` is accepted and ignored (the zoo's chat template does not render it); an empty
-# `tool_calls` asks for nothing. Content parts are text only: an image or audio part would otherwise be dropped
-# from the prompt without a word.
+# Inside a chat message: `name` is accepted and ignored (the chat templates do not render it). Content parts are
+# text only: an image or audio part would otherwise be dropped from the prompt without a word.
 IGNORED_MESSAGE_FIELDS = frozenset({"name"})
-NEUTRAL_MESSAGE_VALUES: dict[str, tuple] = {"tool_calls": ([],)}
+NEUTRAL_MESSAGE_VALUES: dict[str, tuple] = {}
 
 
 def unsupported_message_field(messages: list) -> str | None:
@@ -194,11 +192,80 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+FORBID = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # inside tools: an unknown key is a 400
+
+
+class FunctionCall(BaseModel):
+    """A call in an assistant message of the history. `arguments` is rendered back verbatim."""
+
+    model_config = FORBID
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    model_config = FORBID
+
+    id: Text = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = FORBID
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict | None = Field(default=None, description="a JSON schema whose root is an object")
+    strict: bool | None = None  # the arguments follow the schema whenever a grammar writes the call
+
+
+class Tool(BaseModel):
+    model_config = FORBID
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = FORBID
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = FORBID
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = TOP_LEVEL  # undeclared fields are refused by name (`unsupported_message_field`)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = ""
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: Text | None = Field(default=None, max_length=256)  # a tool result's: the call it answers
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has them")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        return self
+
+    def template_dict(self) -> dict:
+        """What the chat template sees: role, the content's text, and the tool fields where set."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -211,6 +278,10 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = Field(default=True, description="false: at most one call per answer")
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -225,6 +296,7 @@ class TokenizeRequest(BaseModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
     add_special_tokens: bool = Field(default=True, description="the zoo tokenizers add none either way")
     add_generation_prompt: bool = True
 
@@ -243,7 +315,8 @@ class DetokenizeRequest(BaseModel):
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
-                  TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat)
+                  TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat, Tool, FunctionDef,
+                  NamedToolChoice, NamedFunction, ToolCall, FunctionCall)
 FIELD_NAMES = frozenset(f.alias or name for model in REQUEST_MODELS for name, f in model.model_fields.items())
 
 

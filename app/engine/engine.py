@@ -100,8 +100,8 @@ class Engine:
                              f"context length {self.max_model_len}")
         if len(prompt_ids) + params.max_tokens > self.cfg.kv_slots:
             raise ValueError(f"request needs more KV than the engine holds ({self.cfg.kv_slots} tokens)")
-        if params.guided_json is not None:  # compiled here, in the caller's thread, not in a step
-            self.grammars.compile(params.guided_json)
+        if params.constrained:  # compiled here, in the caller's thread, not in a step
+            self.grammars.check(params)
 
     @property
     def grammars(self) -> JsonGrammars:
@@ -182,7 +182,7 @@ class Engine:
                 w.seq.counted = True
         picked, raw = self.run_works(works)
         drafts = [w for w in works if w.draft]
-        guided = self.grammars if any(w.seq.params.guided_json is not None for w in works) else None
+        guided = self.grammars if any(w.seq.params.constrained for w in works) else None
         verified = verify(drafts, picked, raw, self.outputs, self.worker, self.telemetry, guided) if drafts else {}
         plain = [w for w in works if not w.draft] if drafts else works
         logprobs = {}

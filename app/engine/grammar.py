@@ -30,16 +30,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from app.engine.tool_grammar import PreparedTools, ToolCallState, common_prefix, prepare, unpack
 from app.models.tokenizer import Tokenizer
 
-if TYPE_CHECKING:  # imported where first used: xgrammar takes seconds to import, which no plain request needs
+if TYPE_CHECKING:  # xgrammar is imported where first used: it takes seconds, which no plain request needs
     import xgrammar as xgr
+
+    from app.engine.request import SamplingParams
 
 JSON_OBJECT = '{"type": "object"}'
 MAX_SCHEMA_CHARS = 16384  # compile time grows with size and nesting (about 0.5 s at 300 properties, 10 KB)
 MAX_SCHEMA_DEPTH = 32  # nesting levels of the schema document (200 levels compile in seconds)
 CACHED_GRAMMARS = 64
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def check_schema(text: str) -> dict:
@@ -82,35 +84,62 @@ class JsonGrammars:
                  for i in range(vocab_size)]
         self.vocab_size = vocab_size
         self.end_ids = tuple(tokenizer.stop_token_ids)
+        self.encode = tokenizer.encode  # tool-call literals: their text as the tokenizer reads it, specials included
         info = xgr.TokenizerInfo(table, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(self.end_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._tools: OrderedDict[str, PreparedTools] = OrderedDict()
         self._lock = threading.Lock()
         keep = torch.ones(vocab_size, dtype=torch.bool)
         keep[[i for i, b in enumerate(table) if any(c < 0x20 for c in b)]] = False
         self.keep = keep  # [V] bool: tokens that may ever appear (no raw control bytes)
 
+    def _cached(self, cache: OrderedDict, text: str, make):
+        """`cache[text]`, made by `make(text)` outside the lock on a miss (LRU, CACHED_GRAMMARS entries)."""
+        with self._lock:
+            if text in cache:
+                cache.move_to_end(text)
+                return cache[text]
+        made = make(text)
+        with self._lock:
+            cache[text] = made
+            while len(cache) > CACHED_GRAMMARS:
+                cache.popitem(last=False)
+        return made
+
     def compile(self, text: str) -> xgr.CompiledGrammar:
         """The grammar of the schema in `text` (cached); ValueError if the schema is malformed, over the bounds,
         or uses what xgrammar cannot compile (an unsupported type, a missing $ref, minLength over maxLength)."""
-        with self._lock:
-            if text in self._cache:
-                self._cache.move_to_end(text)
-                return self._cache[text]
+        return self._cached(self._cache, text, self._compile)
+
+    def _compile(self, text: str) -> xgr.CompiledGrammar:
         check_schema(text)
         try:
-            compiled = self._compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"),
-                                                          strict_mode=True)
+            return self._compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"),
+                                                      strict_mode=True)
         except RuntimeError as e:  # xgrammar reports schema errors as RuntimeError with a C++ location prefix
             raise ValueError(f"the schema cannot be compiled: {str(e).split(': ', 1)[-1].strip()}") from None
-        with self._lock:
-            self._cache[text] = compiled
-            while len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return compiled
 
     def state(self, text: str) -> GrammarState:
         return GrammarState(self, self.compile(text))
+
+    def tools(self, text: str) -> PreparedTools:
+        """The prepared forced tool calls of a `ToolSpec`'s text (cached); ValueError if they cannot be made."""
+        return self._cached(self._tools, text, lambda t: prepare(self, t))
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile what `params` constrains its output with (ValueError if it cannot be): before the request
+        enters the engine, so that a step never compiles."""
+        if params.guided_json is not None:
+            self.compile(params.guided_json)
+        if params.guided_tools is not None:
+            self.tools(params.guided_tools)
+
+    def state_for(self, params: SamplingParams) -> GrammarState | ToolCallState:
+        """A fresh state of the grammar `params` asks for (a JSON schema or forced tool calls)."""
+        if params.guided_tools is not None:
+            return ToolCallState(self.tools(params.guided_tools))
+        return self.state(params.guided_json)
 
 
 class GrammarState:
@@ -128,11 +157,7 @@ class GrammarState:
     def sync(self, output_ids: Seq[int]) -> None:
         """Accept the tokens of `output_ids` not consumed yet, after rolling back the consumed ones past their
         common prefix (speculative decoding walks the matcher along drafts, then back to what was accepted)."""
-        n = 0
-        for a, b in zip(self.consumed, output_ids):
-            if a != b:
-                break
-            n += 1
+        n = common_prefix(self.consumed, output_ids)
         if n < len(self.consumed):
             self._matcher.rollback(len(self.consumed) - n)
             del self.consumed[n:]
@@ -149,8 +174,7 @@ class GrammarState:
         """[V] bool: the tokens that may follow `output_ids`."""
         self.sync(output_ids)
         self._matcher.fill_next_token_bitmask(self._bits)
-        return ((self._bits[0][:, None] >> _BITS) & 1).bool().flatten()[: self._grammars.vocab_size] & \
-            self._grammars.keep
+        return unpack(self._bits[0], self._grammars.vocab_size) & self._grammars.keep
 
     def mask(self, row: torch.Tensor, output_ids: Seq[int]) -> None:
         """Set the logits of tokens that may not follow `output_ids` to -inf, in place. row: [V]."""

@@ -7,8 +7,8 @@ the raw logits (float32):
 3. logit_bias: added per id;
 4. min_tokens: while fewer tokens than that were generated, the stop ids (the request's `stop_token_ids`, and
    the tokenizer's end ids unless `ignore_eos`) are set to -inf;
-5. guided_json: every token the grammar does not allow next is set to -inf (app/engine/grammar.py), last, so
-   that no bias brings one back.
+5. guided_json or guided_tools: every token the grammar does not allow next is set to -inf (app/engine/grammar.py,
+   app/engine/tool_grammar.py), last, so that no bias brings one back.
 
 Then sampling applies temperature, min_p, top-k and top-p (app/engine/sampling.py); greedy takes the argmax of
 the processed row. Logprobs stay the raw model's (`SamplingParams.logprobs`). Only rows whose request asks for
@@ -27,13 +27,13 @@ from app.engine.request import SamplingParams, Sequence
 
 def needs_processing(p: SamplingParams) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.logit_bias
-                or p.min_tokens or p.guided_json is not None)
+                or p.min_tokens or p.constrained)
 
 
 def process(rows: torch.Tensor, seqs: Seq[Sequence], end_ids: Seq[int],
             grammars: JsonGrammars | None = None) -> torch.Tensor:
     """rows [n, V]: the raw logits of `seqs` (each `needs_processing`); -> the processed rows, float32.
-    `grammars`: the engine's, needed when a sequence has `guided_json` (its state is made here on first use)."""
+    `grammars`: the engine's, needed when a sequence is `constrained` (its state is made here on first use)."""
     x = rows.float().clone()
     vocab = x.shape[-1]
     for r, seq in enumerate(seqs):
@@ -54,8 +54,8 @@ def process(rows: torch.Tensor, seqs: Seq[Sequence], end_ids: Seq[int],
             stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(end_ids))
             if stops:
                 x[r, torch.tensor(stops, device=x.device)] = float("-inf")
-        if p.guided_json is not None:
+        if p.constrained:
             if seq.grammar is None:
-                seq.grammar = grammars.state(p.guided_json)
+                seq.grammar = grammars.state_for(p)
             seq.grammar.mask(x[r], seq.output_ids)
     return x

@@ -23,6 +23,7 @@ from app.cache.radix import Node
 
 if TYPE_CHECKING:
     from app.engine.grammar import GrammarState
+    from app.engine.tool_grammar import ToolCallState
     from app.models.tokenizer import IncrementalDecoder
 
 
@@ -66,6 +67,14 @@ class SamplingParams:
     # with an end token once the value is complete. No stop strings or ids, ignore_eos or min_tokens with it:
     # each could end (or refuse to end) the output elsewhere than where the value does.
     guided_json: str | None = None
+    # forced tool calls (`tool_choice` required or named): a `ToolSpec`'s JSON text (app/engine/tool_grammar.py);
+    # the same combinations are refused as with guided_json
+    guided_tools: str | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (a JSON schema or forced tool calls)."""
+        return self.guided_json is not None or self.guided_tools is not None
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -102,10 +111,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.guided_json is not None:
+        if self.guided_json is not None and self.guided_tools is not None:
+            raise ValueError("one grammar at most: a JSON schema or forced tool calls")
+        if self.constrained:
             for name in ("stop", "stop_token_ids", "ignore_eos", "min_tokens"):
                 if getattr(self, name):
-                    raise ValueError(f"{name} cannot be combined with a JSON grammar (response_format)")
+                    raise ValueError(f"{name} cannot be combined with a grammar (response_format, forced tool calls)")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer), got {self.seed}")
 
@@ -165,7 +176,7 @@ class Sequence:
     compressed_hit: bool = False  # resumed from a lossy (dasc or INT8) checkpoint, or forked from one that did
     # prompt_logprobs: the entries of prompt tokens 1..prompt_lp_upto so far (token 0 has none)
     prompt_lps: list = field(default_factory=list)
-    grammar: GrammarState | None = None  # guided_json: made at the first constrained row, follows output_ids
+    grammar: GrammarState | ToolCallState | None = None  # made at the first constrained row, follows output_ids
     spec: object | None = None  # speculative decoding: its n-gram index and acceptance (app/engine/speculative.py)
     greedy_only: bool = False  # its picks need nothing but the argmax of the raw logits (the engine sets it)
 

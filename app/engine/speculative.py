@@ -191,8 +191,8 @@ def accept(seq, drafts: tuple[int, ...], rows: torch.Tensor | list[int], end_ids
         return out + [rows[len(drafts)]]
     out: list[int] = []
     view = SimpleNamespace(params=p, prompt_ids=seq.prompt_ids, output_ids=seq.output_ids, grammar=seq.grammar)
-    if p.guided_json is not None and seq.grammar is None:
-        seq.grammar = view.grammar = grammars.state(p.guided_json)
+    if p.constrained and seq.grammar is None:
+        seq.grammar = view.grammar = grammars.state_for(p)
     for j in range(len(drafts) + 1):
         row = rows[j]
         if needs_processing(p):

@@ -2,7 +2,8 @@
 
 Files in a tokenizer directory (what `transformers.AutoTokenizer.from_pretrained` reads):
     tokenizer.json           the `tokenizers` model: digits split one by one, then GPT-2 ByteLevel
-    tokenizer_config.json    special tokens, ChatML `chat_template`, `clean_up_tokenization_spaces: false`
+    tokenizer_config.json    special tokens, the `chat_template` (templates/qwen3_next.jinja: ChatML turns, Qwen-style
+                             tools), `clean_up_tokenization_spaces: false`
     special_tokens_map.json  bos/eos/pad and the two chat markers
 
 Special ids: 0 `<|endoftext|>` (bos, eos and pad for plain completion), 1 `<|im_start|>`, 2 `<|im_end|>`.
@@ -27,12 +28,10 @@ from tokenizers import Tokenizer as Backend
 
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOT, IM_START, IM_END)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+TEMPLATES = Path(__file__).parent / "templates"
+# The zoo's chat format: Qwen3-Next's (ChatML turns, and a Qwen-style tools section when tools are given); it is
+# also the template of a tokenizer directory that names none. Kimi-Linear's is templates/kimi_linear.jinja.
+CHAT_TEMPLATE = (TEMPLATES / "qwen3_next.jinja").read_text()
 
 
 class Tokenizer:
@@ -57,6 +56,7 @@ class Tokenizer:
                                       {i for i in map(backend.token_to_id, SPECIAL_TOKENS) if i is not None})
         self._bytes = _token_bytes(backend, frozenset(added))
         self._special_text = {t.content: i for i, t in added.items() if t.special}
+        self._special_of = {i: t for t, i in self._special_text.items()}
         self._plain = Backend.from_str(backend.to_str())  # the same vocabulary, special strings read as text
         self._plain.encode_special_tokens = True
 
@@ -69,14 +69,16 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` and `tokenizer_config.json` (a `chat_template.jinja` file wins)."""
+        """Load `tokenizer.json` and `tokenizer_config.json` (a `chat_template.jinja` file wins; with neither naming
+        a template, the model family's from templates/)."""
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise FileNotFoundError(f"no tokenizer.json in {path}: dasc-serve reads `tokenizers` JSON tokenizers "
                                     "(a tiktoken or sentencepiece tokenizer needs converting with transformers first)")
         config = json.loads((path / "tokenizer_config.json").read_text())
         jinja_file = path / "chat_template.jinja"
-        template = jinja_file.read_text() if jinja_file.exists() else config.get("chat_template", CHAT_TEMPLATE)
+        template = (jinja_file.read_text() if jinja_file.exists() else
+                    config.get("chat_template") or _family_template(path))
         return cls(Backend.from_file(str(path / "tokenizer.json")), config, template)
 
     def token_id(self, token: str) -> int:
@@ -112,38 +114,60 @@ class Tokenizer:
             return b""
         return self._bytes[token_id]
 
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True
-    ) -> str:
-        """Render `messages` ({"role", "content"} dicts) exactly as transformers renders the template."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] | None = None) -> str:
+        """Render `messages` (OpenAI-shaped dicts: role, content, tool_calls, tool_call_id) and `tools` exactly as
+        transformers renders the template."""
         specials = {k: self.config[k] for k in ("bos_token", "eos_token", "pad_token") if k in self.config}
-        return self._template.render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **specials
-        )
+        return self._template.render(messages=[dict(m) for m in messages], tools=list(tools) if tools else None,
+                                     add_generation_prompt=add_generation_prompt, **specials)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, object]] | None = None) -> list[int]:
         """Ids of the rendered chat where only the template's own special tokens are control ids; a special-token
-        string inside a message's content is encoded as plain text.
+        string inside a message or a tool (content, arguments, a description, ...) is encoded as plain text."""
+        return self.encode_pieces(self.chat_pieces(messages, add_generation_prompt, tools))
 
-        How: each special-token string inside a content is broken by a marker character that occurs in no
-        content (a private-use code point), the template is rendered, the result is split at the special tokens
-        left (the template's), and the text between them, markers removed, goes through a copy of the tokenizer
-        that reads special strings as text. For content without special strings the ids equal
-        `encode(apply_chat_template(...))`, since `encode` also splits at special tokens first.
-        """
-        contents = [str(m.get("content") or "") for m in messages]
+    def chat_pieces(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, object]] | None = None) -> list[str | int]:
+        """The rendered chat as pieces: the ids of the template's own special tokens, and the text between them.
+
+        How: each special-token string inside any string of the messages and tools is broken by a marker
+        character that occurs in none of them (a private-use code point), the template is rendered, the result
+        is split at the special tokens left (the template's), and the markers are removed from the text between.
+        Joined (ids as their strings) the pieces are `apply_chat_template`'s text."""
         if not self._special_text:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
-        marker = _unused_char(contents)
+            return [self.apply_chat_template(messages, add_generation_prompt, tools)]
+        marker = _unused_char(list(_strings([messages, tools])))
         special = re.compile("(" + "|".join(map(re.escape, sorted(self._special_text, key=len, reverse=True))) + ")")
-        escaped = [{**m, "content": special.sub(lambda s: s[0][0] + marker + s[0][1:], c)}
-                   for m, c in zip(messages, contents)]
-        ids: list[int] = []
-        for i, piece in enumerate(special.split(self.apply_chat_template(escaped, add_generation_prompt))):
+
+        def escape(text: str) -> str:
+            return special.sub(lambda s: s[0][0] + marker + s[0][1:], text)
+
+        rendered = self.apply_chat_template(_map_strings(list(messages), escape), add_generation_prompt,
+                                            _map_strings(tools, escape) if tools else None)
+        pieces: list[str | int] = []
+        for i, piece in enumerate(special.split(rendered)):
             if i % 2:  # split() puts each separator (a template's special token) at an odd index
-                ids.append(self._special_text[piece])
+                pieces.append(self._special_text[piece])
             elif piece:
-                ids.extend(self._plain.encode(piece.replace(marker, ""), add_special_tokens=False).ids)
+                pieces.append(piece.replace(marker, ""))
+        return pieces
+
+    def piece_text(self, piece: str | int) -> str:
+        """The text of one of `chat_pieces`' pieces."""
+        return piece if isinstance(piece, str) else self._special_of[piece]
+
+    def encode_pieces(self, pieces: Iterable[str | int]) -> list[int]:
+        """Ids of `chat_pieces`: special ids as they are, text read with special strings as plain text. For text
+        without special strings the ids equal `encode`'s, which also splits at special tokens first."""
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids.extend((self._plain if self._special_text else self._backend).encode(
+                    piece, add_special_tokens=False).ids)
         return ids
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
@@ -184,6 +208,37 @@ def decode_stream(tokenizer: Tokenizer, ids: Iterable[int], skip_special_tokens:
             yield delta
     if tail := decoder.flush():
         yield tail
+
+
+def _family_template(path: Path) -> str:
+    """The template of a tokenizer directory that names none: its model family's (config.json's model_type)."""
+    model = path / "config.json"
+    family = json.loads(model.read_text()).get("model_type") if model.exists() else None
+    return (TEMPLATES / "kimi_linear.jinja").read_text() if family == "kimi_linear" else CHAT_TEMPLATE
+
+
+def _strings(x: object) -> Iterator[str]:
+    """Every string inside nested dicts and lists (keys too)."""
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, Mapping):
+        for k, v in x.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _strings(v)
+
+
+def _map_strings(x, f):
+    """`x` with `f` applied to every string value inside nested dicts and lists (keys kept)."""
+    if isinstance(x, str):
+        return f(x)
+    if isinstance(x, Mapping):
+        return {k: _map_strings(v, f) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_map_strings(v, f) for v in x]
+    return x
 
 
 def _unused_char(texts: Sequence[str]) -> str:

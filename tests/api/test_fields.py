@@ -31,9 +31,11 @@ async def _post(app, path: str, body: dict, headers: dict | None = None):
                                headers={**AUTH, "content-type": "application/json", **(headers or {})})
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+COMPLETION_ONLY = [("tools", TOOLS), ("tool_choice", "auto"), ("parallel_tool_calls", "yes")]  # chat has them
 UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
+    ("functions", [{"name": "f", "parameters": {}}]),  # the legacy form of tools
+    ("function_call", "auto"),
     ("best_of", 3),
     ("suffix", "end"),
     ("guided_json", {"type": "object"}),
@@ -41,8 +43,8 @@ UNSUPPORTED = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value"), UNSUPPORTED)
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("path", "field", "value"), [("/v1/completions", *f) for f in UNSUPPORTED + COMPLETION_ONLY] +
+                         [("/v1/chat/completions", *f) for f in UNSUPPORTED])
 async def test_an_unsupported_field_is_refused_by_name(app, path, field, value):
     body = COMPLETION if path == "/v1/completions" else CHAT
     r = await _post(app, path, {**body, field: value})
@@ -53,7 +55,8 @@ async def test_an_unsupported_field_is_refused_by_name(app, path, field, value):
 NEUTRAL = [{name: "x" if name in ("user", "service_tier", "safety_identifier", "prompt_cache_key") else
             ({"k": "v"} if name == "metadata" else True)} for name in sorted(IGNORED_FIELDS)] + [
     {"tools": None, "logit_bias": None, "no_such_field": None},  # a null is a field not set
-    {"tools": [], "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"}},
+    {"tools": [], "tool_choice": "none", "logit_bias": {}, "response_format": {"type": "text"},
+     "parallel_tool_calls": False},
     {"best_of": 1},  # = n
     {"n": 2, "best_of": 2},
 ]
@@ -67,10 +70,9 @@ async def test_fields_that_change_nothing_are_accepted(app, extra):
 
 
 MESSAGE_REFUSALS = [
-    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
-                                                         "function": {"name": "f", "arguments": "{}"}}]},
-     "messages.0.tool_calls"),
-    ({"role": "tool", "content": "42", "tool_call_id": "c"}, "messages.0.tool_call_id"),
+    ({"role": "user", "content": "hi", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]}, "messages.0"),
+    ({"role": "tool", "content": "42"}, "messages.0"),  # no tool_call_id
     ({"role": "user", "content": "hi", "audio": {"id": "a"}}, "messages.0.audio"),
     ({"role": "user", "content": [{"type": "text", "text": "what is this"},
                                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
@@ -82,7 +84,8 @@ MESSAGE_REFUSALS = [
 
 @pytest.mark.parametrize(("message", "param"), MESSAGE_REFUSALS, ids=[p for _, p in MESSAGE_REFUSALS])
 async def test_what_a_message_carries_beyond_text_is_refused_by_its_path(app, message, param):
-    """An image part or a tool call would otherwise be dropped from the prompt without a word."""
+    """An image part would otherwise be dropped from the prompt without a word; tool calls belong to an assistant,
+    and a tool result names the call it answers."""
     for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {})):
         r = await _post(app, path, {**body, "messages": [message]})
         assert r.status_code == 400, (path, r.text)
@@ -138,7 +141,8 @@ async def test_tokenize_and_detokenize_round_trip(app, backend):
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
     ("/tokenize", {}, None),
     ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
-    ("/tokenize", {"prompt": "a", "tools": [1]}, "tools"),
+    ("/tokenize", {"prompt": "a", "tools": [1]}, "tools.0"),
+    ("/tokenize", {"prompt": "a", "no_such_field": 1}, "no_such_field"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

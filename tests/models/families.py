@@ -1,0 +1,42 @@
+"""Synthetic tokenizers of the two families' chat formats: the zoo's BPE vocabulary plus the special tokens of
+Qwen3-Next or Kimi-Linear, with the vendored template (app/models/templates/), written as a tokenizer directory
+that both our `Tokenizer` and transformers' `AutoTokenizer` load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
+
+from app.models.loader import ZOO_DIR
+from app.models.tokenizer import TEMPLATES
+
+# (special tokens beyond the zoo's three, eos, template file); Qwen's tool tokens are added but not special
+FAMILIES = {
+    "qwen3_next": ([("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
+                    ("</tool_response>", False)], "<|im_end|>", "qwen3_next.jinja"),
+    "kimi_linear": ([("[EOS]", True), ("<|im_user|>", True), ("<|im_assistant|>", True), ("<|im_system|>", True),
+                     ("<|im_middle|>", True), ("<|tool_calls_section_begin|>", True),
+                     ("<|tool_calls_section_end|>", True), ("<|tool_call_begin|>", True),
+                     ("<|tool_call_argument_begin|>", True), ("<|tool_call_end|>", True)], "[EOS]",
+                    "kimi_linear.jinja"),
+}
+
+
+def write_family_tokenizer(family: str, out: Path) -> Path:
+    extra, eos, template = FAMILIES[family]
+    backend = Backend.from_file(str(ZOO_DIR / "_tokenizer" / "tokenizer.json"))
+    for content, special in extra:
+        token = AddedToken(content, special=special, normalized=False)
+        (backend.add_special_tokens if special else backend.add_tokens)([token])
+    out.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out / "tokenizer.json"))
+    config = json.loads((ZOO_DIR / "_tokenizer" / "tokenizer_config.json").read_text())
+    decoder = {str(i): {"content": t.content, "lstrip": False, "rstrip": False, "normalized": False,
+                        "single_word": False, "special": t.special}
+               for i, t in sorted(backend.get_added_tokens_decoder().items())}
+    config.update(added_tokens_decoder=decoder, eos_token=eos, chat_template=(TEMPLATES / template).read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return out
