@@ -35,7 +35,7 @@ gpu-check: $(STAMP)
 serve: $(STAMP)
 	RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 $(BIN)/serve run configs/config.yaml
 
-# Against a running server: all three locust workloads, headless, bounded in time; CSVs in loadtest/results.
+# Against a running server: all four locust workloads, headless, bounded in time; CSVs in loadtest/results.
 loadtest: $(STAMP)
 	mkdir -p loadtest/results
 	$(BIN)/locust -f loadtest/locustfile.py --headless -u $(LOADTEST_USERS) -r 2 --run-time $(LOADTEST_TIME) \

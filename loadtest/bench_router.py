@@ -1,8 +1,9 @@
 """Router benchmark: `python -m loadtest.bench_router [--out docs/benchmarks.md]` (about 25 minutes on 2 cores).
 
-Request routers in front of replicas of kda-tiny (dense checkpoints, controller off), on three workloads
+Request routers in front of replicas of kda-tiny (dense checkpoints, controller off), on four workloads
 (loadtest/workloads.py: few-shot headers, multi-turn chat with growing histories, the paper's reuse-distance
-replay), each over several seeds. Arms: ours (prefix-aware, predicted cost from the replicas' checkpoint digests
+replay, and agents whose tool-calling turns re-send their whole history over Chat Completions, for every arm),
+each over several seeds. Arms: ours (prefix-aware, predicted cost from the replicas' checkpoint digests
 and load), Ray's default power-of-two choices, Ray's PrefixCacheAffinityRouter (text-prefix tree), and one
 replica holding both replicas' checkpoint budget (the hit-rate ceiling for the same bytes; reported only). The
 few-shot workload also runs at 4 replicas, for hit rate.
@@ -27,10 +28,10 @@ import time
 from loadtest.common import start_run, table
 from loadtest.sections import knob_variant, publish
 from loadtest.serve_harness import cluster, deployed, summarise
-from loadtest.workloads import chat, chat_openers, drive, few_shot, reuse_phases
+from loadtest.workloads import agentic, chat, chat_openers, drive, few_shot, reuse_phases
 
 ARMS = ("prefix", "pow2", "prefix_affinity", "single")
-WORKLOADS = ("few-shot", "chat", "reuse")
+WORKLOADS = ("few-shot", "chat", "reuse", "agentic")
 REFERENCE = "prefix_affinity"
 
 
@@ -58,6 +59,8 @@ def run_seed(url: str, workload: str, seed: int, args) -> list[dict]:
     if workload == "chat":
         return chat(url, args.model, chat_openers(seed, args.conversations), args.turns, args.answer_tokens,
                     args.concurrency, seed)
+    if workload == "agentic":
+        return agentic(url, args.model, seed, args.agents)
     return drive(url, args.model, reuse_phases(seed, tuple(args.phases)), args.concurrency)
 
 
@@ -100,6 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--conversations", type=int, default=8, help="chat: conversations")
     p.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
     p.add_argument("--answer-tokens", type=int, default=16, help="chat: tokens per answer")
+    p.add_argument("--agents", type=int, default=12, help="agentic: agents side by side")
     p.add_argument("--phases", type=int, nargs="+", default=[24, 12, 6, 3], help="reuse: working set per phase")
     p.add_argument("--wide-replicas", type=int, default=4, help="few-shot again at this many replicas (0: skip)")
     p.add_argument("--concurrency", type=int, default=8)

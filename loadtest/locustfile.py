@@ -5,6 +5,9 @@ Three workloads, each a user class (pick with `locust ... FewShotUser` or run al
 - ChatUser: multi-turn chat whose history grows turn by turn (each turn re-sends the whole history).
 - ReuseDistanceUser: the paper's six-phase reuse-distance replay (C.2): phases whose working sets shrink
   (80, 36, 16, 8, 4 and 1 distinct prefixes), each walked in a seeded shuffled order, one output token.
+- AgentUser: an agent loop over Chat Completions (loadtest/workloads.py, agentic): one shared system prompt with
+  six tool schemas; each turn a call (`tool_choice` required or auto), the tool's result and an answer, the
+  whole history re-sent every time.
 Every user is bounded by locust's --run-time; prompts are deterministic text (no tokenizer needed).
 """
 
@@ -14,6 +17,8 @@ import os
 import random
 
 from locust import HttpUser, between, task
+
+from loadtest.workloads import AGENT_TOOLS, agent_system
 
 # The served model name to send (`api.served_model_name`); unset: requests name none and get the served model.
 NAMED = {"model": os.environ["DASC_MODEL"]} if os.environ.get("DASC_MODEL") else {}
@@ -82,3 +87,47 @@ class ReuseDistanceUser(_ApiUser):
             self.rng.shuffle(self.queue)
             self.phase += 1
         self.complete(self.queue.pop(), 1, f"reuse-phase-{PHASES[(self.phase - 1) % len(PHASES)]}")
+
+
+AGENT_SYSTEM = agent_system(7)
+
+
+class AgentUser(_ApiUser):
+    max_turns = 5
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+        self.reset()
+
+    def reset(self) -> None:
+        self.turns = 0
+        self.messages = [{"role": "system", "content": AGENT_SYSTEM},
+                         {"role": "user", "content": f"Find why value_{self.rng.randint(0, 999)} is wrong."}]
+
+    def ask(self, tool_choice: str, max_tokens: int, name: str) -> dict | None:
+        body = {**NAMED, "messages": self.messages, "tools": AGENT_TOOLS, "tool_choice": tool_choice,
+                "parallel_tool_calls": False, "max_tokens": max_tokens, "temperature": 0}
+        with self.client.post("/v1/chat/completions", json=body, headers=HEADERS, name=name,
+                              catch_response=True) as r:
+            if r.status_code != 200:
+                r.failure(f"{r.status_code}: {r.text[:200]}")
+                return None
+            return r.json()["choices"][0]["message"]
+
+    @task
+    def turn(self) -> None:
+        if self.turns >= self.max_turns:
+            self.reset()
+        self.turns += 1
+        message = self.ask("required" if self.rng.random() < 0.5 else "auto", 96, "agent-call")
+        if message is None:
+            return self.reset()
+        if message.get("tool_calls"):
+            self.messages.append(message)
+            self.messages += [{"role": "tool", "tool_call_id": c["id"], "content": text_block(
+                self.rng.randrange(10**6), self.rng.randint(8, 15))} for c in message["tool_calls"]]
+            message = self.ask("auto", 12, "agent-answer")
+            if message is None:
+                return self.reset()
+        self.messages.append({"role": "assistant", "content": message.get("content") or ""})
+        self.messages.append({"role": "user", "content": f"And value_{self.rng.randint(0, 999)}?"})

@@ -228,7 +228,8 @@ class ToolOutput:
             if hits:
                 text, final, self.stopped = text[: min(hits)], True, True
         if not final:
-            hold = max([_held(text, self.fmt.content_sep + self.fmt.opens)] + [_held(text, s) for s in self.stops])
+            ends = (self.fmt.content_sep + self.fmt.opens, self.fmt.opens, *self.stops)
+            hold = max(_held(text, e) for e in ends)
             text = text[: len(text) - hold]
         if len(text) <= len(self.content) or not text.startswith(self.content):
             return []

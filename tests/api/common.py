@@ -5,6 +5,7 @@ boundary, and a fault that makes a real engine's step fail."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -149,3 +150,31 @@ class StepFault:
                 return
             self._left = None
         raise RuntimeError("injected device fault")
+
+
+EMPTY_OBJECT = '{"type": "object", "properties": {}, "additionalProperties": false}'
+
+
+class Scripted:
+    """A real backend whose engine writes a script: each request's sampling params get a grammar that forces
+    `before`, then `{}` (the one object its schema allows), then `after` and the end token, whatever the request
+    asked. The scripted engine of the tool-call parser tests: the zoo models never write a call by themselves."""
+
+    def __init__(self, backend, before: str, after: str = "") -> None:
+        from app.engine.tool_grammar import ToolSpec
+
+        self._backend = backend
+        self._spec = ToolSpec(functions=(("script", EMPTY_OBJECT),), head="", tail=after, prefix=before).to_json()
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def _script(self, params):
+        return dataclasses.replace(params, guided_tools=self._spec, guided_json=None, stop=(), min_tokens=0,
+                                   stop_token_ids=(), ignore_eos=False)
+
+    def validate(self, prompt_ids, params) -> None:
+        self._backend.validate(prompt_ids, self._script(params))
+
+    def generate(self, prompt_ids, params, **kwargs):
+        return self._backend.generate(prompt_ids, self._script(params), **kwargs)

@@ -221,6 +221,49 @@ def test_json_schema_outputs_that_stop_parse_and_validate(server):
     assert stopped >= 10, [ch.message.content for ch in choices]
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+              "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}}}]
+
+
+def test_tool_calls_and_agent_turns_that_resume_where_the_last_ended(server):
+    """required, named, none and auto (the zoo writes no call by itself: auto answers content) through Serve;
+    a streamed call assembled by the SDK's helper equals the plain answer; each turn of a three-turn agent loop
+    has the previous prompt and output cached (less the last token: the cache here is dense)."""
+    c = _client(server)
+    ask = {"model": "kda-tiny", "tools": TOOLS, "temperature": 0, "max_tokens": 120,
+           "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+    forced = c.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False)
+    assert forced.choices[0].finish_reason == "tool_calls" and len(forced.choices[0].message.tool_calls) == 1
+    named = c.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "add"}},
+                                      parallel_tool_calls=False)
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and json.loads(call.function.arguments)["a"] in range(10)
+    for choice in ("none", "auto"):
+        r = c.chat.completions.create(**{**ask, "max_tokens": 12}, tool_choice=choice)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    with c.chat.completions.stream(**ask, tool_choice="required", parallel_tool_calls=False) as stream:
+        streamed = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+        [(t.function.name, t.function.arguments) for t in forced.choices[0].message.tool_calls]
+    messages, previous = list(ask["messages"]), None
+    for turn in range(3):
+        r = c.chat.completions.create(**{**ask, "messages": messages}, tool_choice="required",
+                                      parallel_tool_calls=False, extra_body={"cache_salt": "agent"})
+        if previous is not None:
+            assert r.usage.prompt_tokens_details.cached_tokens >= previous - 1
+        previous = r.usage.prompt_tokens + r.usage.completion_tokens
+        m = r.choices[0].message
+        messages += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id,
+                                                        "content": f"result {turn}"}]
+    r = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"
+
+
 def test_a_request_with_several_prompts_is_answered(server):
     """Found by schema fuzzing: a completion with two different prompts hung with two replicas. The ingress runs
     the prompts' handle calls concurrently, and Serve gave them all the HTTP request's internal id, under which

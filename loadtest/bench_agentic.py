@@ -1,0 +1,105 @@
+"""Agentic benchmark: `python -m loadtest.bench_agentic [--out docs/benchmarks.md]` (about 15 minutes on 2 cores).
+
+Agents (loadtest/workloads.py, agentic) on kda-tiny behind our prefix-aware router at 2 replicas (dense
+checkpoints, controller off): one shared system prompt of about 800 tokens with six tool schemas, each agent
+4-6 turns of a tool call (`tool_choice` required or auto), its result (100-300 tokens) and an answer, the whole
+history re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and cold
+(every request its own salt: nothing reused), on the same deployment.
+
+Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
+previous request's prompt and output less one token (a request the router sent to another replica than its
+previous one counts as a miss, as its cache there is cold), the mean TTFT by step of the agent loop warm and
+cold and their ratio, and the re-tokenization drift: of the re-sent answers whose prompt resumed from the ids
+generated (the API's recall memory), those whose plain re-encoding would have differed, and the tokens that
+would have cost. Results: loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+import httpx
+
+from loadtest.common import start_run, table
+from loadtest.sections import knob_variant, publish
+from loadtest.serve_harness import cluster, deployed, summarise
+from loadtest.workloads import agentic, resumed
+
+
+def app_args(args) -> dict:
+    return {"model": args.model, "replicas": args.replicas, "replica_cpus": 0.5,
+            "engine": {**(args.engine or {}), "checkpoint_budget_mb": args.budget_mb},
+            "router": {"kind": "prefix", "stats_period_s": 1.0}, "controller": {"enabled": False}}
+
+
+def by_step(results: list[dict]) -> dict[int, float]:
+    steps = defaultdict(list)
+    for r in results:
+        if r["ok"]:
+            steps[r["step"]].append(r["latency_s"] * 1e3)
+    return {s: statistics.fmean(v) for s, v in sorted(steps.items())}
+
+
+def recall_stats(url: str) -> dict:
+    return httpx.get(f"{url}/status", timeout=30).json()["recall"]
+
+
+def run_seed(url: str, seed: int, args) -> dict:
+    before = recall_stats(url)
+    warm = agentic(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens)
+    after = recall_stats(url)
+    cold = agentic(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens, cold=True)
+    drift = {k: after[k] - before[k] for k in after}
+    row = {"seed": seed, "requests": len(warm), "failed": sum(not r["ok"] for r in warm + cold),
+           "resumed": resumed(warm, args.nr_tail), "warm": summarise(warm), "cold": summarise(cold),
+           "ttft_by_step_warm_ms": by_step(warm), "ttft_by_step_cold_ms": by_step(cold),
+           "spliced": drift["spliced"], "drifted": drift["drifted"], "drift_tokens": drift["drift_tokens"]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kda-tiny")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--agents", type=int, default=12)
+    p.add_argument("--turns", type=int, nargs=2, default=[4, 6])
+    p.add_argument("--answer-tokens", type=int, default=12)
+    p.add_argument("--budget-mb", type=float, default=8.0, help="checkpoint pool per replica")
+    p.add_argument("--nr-tail", type=int, default=0, help="tokens before a checkpoint an nr load may not serve")
+    p.add_argument("--engine", type=json.loads, default=None, metavar="JSON", help="engine knobs (own variant)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    record = start_run("bench_agentic", {k: v for k, v in vars(args).items() if k != "out"}, argv)
+    with cluster(num_cpus=4) as url, deployed(url, app_args(args)):
+        rows = [run_seed(url, seed, args) for seed in args.seeds]
+    steps = sorted({s for r in rows for s in r["ttft_by_step_warm_ms"]}, key=int)
+    step_rows = []
+    for s in steps:
+        warm = statistics.median(r["ttft_by_step_warm_ms"][s] for r in rows if s in r["ttft_by_step_warm_ms"])
+        cold = statistics.median(r["ttft_by_step_cold_ms"][s] for r in rows if s in r["ttft_by_step_cold_ms"])
+        step_rows.append([s, warm, cold, warm / cold])
+    med = {k: statistics.median(r[k] for r in rows) for k in ("resumed", "spliced", "drifted", "drift_tokens")}
+    warm_ttft = statistics.median(r["warm"]["ttft_mean_ms"] for r in rows)
+    cold_ttft = statistics.median(r["cold"]["ttft_mean_ms"] for r in rows)
+    md = table(["seed", "requests", "failed", "resumed", "hit rate", "TTFT warm ms", "TTFT cold ms", "spliced",
+                "drifted", "drift tokens"],
+               [[r["seed"], r["requests"], r["failed"], r["resumed"], r["warm"]["hit_rate"], r["warm"]["ttft_mean_ms"],
+                 r["cold"]["ttft_mean_ms"], r["spliced"], r["drifted"], r["drift_tokens"]] for r in rows])
+    md += "\n\nMean TTFT by step of the agent loop (medians over seeds):\n\n"
+    md += table(["step", "warm ms", "cold ms", "warm/cold"], step_rows)
+    md += (f"\n\nMedians over seeds {', '.join(map(str, args.seeds))}: {med['resumed']:.3f} of the requests after "
+           f"each agent's first resumed from the previous prompt and output (target at least 0.95); mean TTFT "
+           f"{warm_ttft:.1f} ms warm vs {cold_ttft:.1f} ms cold ({warm_ttft / cold_ttft:.2f}x). Drift: of "
+           f"{med['spliced']:.0f} re-sent answers spliced from the generated ids, {med['drifted']:.0f} would have "
+           f"re-encoded to other ids ({med['drift_tokens']:.0f} tokens recomputed without the memory).\n")
+    variant, title = knob_variant(args.model, args.engine)
+    publish(record, variant, {"seeds": rows}, md, args.out, "Agentic: every turn resumes where the last ended", title)
+
+
+if __name__ == "__main__":
+    main()
