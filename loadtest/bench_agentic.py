@@ -4,7 +4,8 @@ Agents (loadtest/workloads.py, agentic) on kda-tiny behind our prefix-aware rout
 checkpoints, controller off): one shared system prompt of about 800 tokens with six tool schemas, each agent
 4-6 turns of a tool call (`tool_choice` required or auto), its result (100-300 tokens) and an answer, the whole
 history re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and cold
-(every request its own salt: nothing reused), on the same deployment.
+(every request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica
+import the grammar library and compile the tools' schemas.
 
 Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
 previous request's prompt and output less one token (a request the router sent to another replica than its
@@ -76,6 +77,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     record = start_run("bench_agentic", {k: v for k, v in vars(args).items() if k != "out"}, argv)
     with cluster(num_cpus=4) as url, deployed(url, app_args(args)):
+        agentic(url, args.model, 0, 4, (1, 1), cold=True)  # warm-up: each replica imports xgrammar, compiles the tools
         rows = [run_seed(url, seed, args) for seed in args.seeds]
     steps = sorted({s for r in rows for s in r["ttft_by_step_warm_ms"]}, key=int)
     step_rows = []

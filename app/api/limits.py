@@ -92,7 +92,7 @@ def guided_json(body, tok: Tokenizer) -> str | None:
 
 def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts: int, vocab_size: int,
                     guided_json: str | None = None, guided_tools: str | None = None,
-                    engine_stops: bool = True) -> SamplingParams:
+                    engine_stops: bool = True, output_resumed: bool = False) -> SamplingParams:
     """`engine_stops` False: the stop strings are checked here but applied by the API (to the content outside
     tool calls), not by the engine."""
     n_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
@@ -126,7 +126,7 @@ def sampling_params(body, max_tokens: int | None, settings: ApiSettings, prompts
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, logit_bias=bias, min_tokens=body.min_tokens,
                               prompt_logprobs=prompt_logprobs, cache_lossless=body.cache_lossless,
-                              guided_json=guided_json, guided_tools=guided_tools)
+                              guided_json=guided_json, guided_tools=guided_tools, output_resumed=output_resumed)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
 

@@ -188,7 +188,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
             asked = max(1, min(settings.max_tokens_limit, backend.max_model_len - len(prompt)))
         reads_calls = plan is not None and plan.reads_calls
         params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size, limits.guided_json(body, tok),
-                                        guided_tools=plan and plan.guided, engine_stops=not reads_calls)
+                                        guided_tools=plan and plan.guided, engine_stops=not reads_calls,
+                                        output_resumed=True)  # a chat answer comes back in the next turn's prompt
         _validate(backend, prompt, params)
         rid = _request_id("chatcmpl", request)
         if reads_calls:

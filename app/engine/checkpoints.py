@@ -38,9 +38,11 @@ class Checkpointing:
 
     def at_finish(self, seq: Sequence) -> None:
         """The generation-end checkpoint of a sequence that ends now (so that the next turn of a conversation
-        resumes where this one stopped), unless a checkpoint sits just behind it."""
+        resumes where this one stopped), unless a checkpoint sits just behind it and the output is not one a
+        later prompt resumes (`SamplingParams.output_resumed`)."""
         if (self.cfg.enable_cache and self.cfg.store_generation_end and seq.status is Status.RUNNING
-                and seq.num_computed > seq.num_shared and not self.close_behind(seq)):
+                and seq.num_computed > seq.num_shared
+                and (seq.params.output_resumed or not self.close_behind(seq))):
             self.store(seq, seq.num_computed, "generation_end")
 
     def store(self, seq: Sequence, pos: int, kind: str, snapshot_at: int | None = None) -> None:

@@ -70,6 +70,10 @@ class SamplingParams:
     # forced tool calls (`tool_choice` required or named): a `ToolSpec`'s JSON text (app/engine/tool_grammar.py);
     # the same combinations are refused as with guided_json
     guided_tools: str | None = None
+    # the output will come back as the start of a later prompt (a chat answer, re-sent with the history): its
+    # generation-end checkpoint is stored even where the prompt end's lies fewer than checkpoint_min_gap tokens
+    # behind, so the next turn resumes exactly where this one ended
+    output_resumed: bool = False
 
     @property
     def constrained(self) -> bool:

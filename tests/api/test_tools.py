@@ -70,10 +70,12 @@ async def test_n_and_logprobs_with_forced_calls_and_a_stream_assembled_by_the_sd
             _check_calls(choice, most=1)
             assert len(choice.logprobs.content) >= 20  # every token of the wrapper and the arguments
         plain = await oai.chat.completions.create(**ASK, tool_choice="required", parallel_tool_calls=False)
-        async with oai.chat.completions.stream(**ASK, tool_choice="required", parallel_tool_calls=False) as stream:
+        async with oai.chat.completions.stream(**ASK, tool_choice="required", parallel_tool_calls=False,
+                                               stream_options={"include_usage": True}) as stream:
             names = [e.name async for e in stream if e.type == "tool_calls.function.arguments.done"]
             final = await stream.get_final_completion()
         calls = _check_calls(final.choices[0])
+        assert final.usage.completion_tokens == plain.usage.completion_tokens > 10
         assert names == [c.function.name for c in calls]
         assert [(c.function.name, c.function.arguments) for c in calls] == \
             [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls]

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -86,6 +87,20 @@ def test_repeated_prompt_hits_at_prompt_end_and_next_turn_hits(zoo):
     # turn 2's prompt end lies 10 tokens above the checkpoint it loaded: not stored; its generation end, 18 above,
     # is the one checkpoint it adds
     assert short.snapshot()["checkpoint_stores_by_kind"] == {"prompt_end": 1, "generation_end": 1}
+
+
+def test_an_output_a_later_prompt_resumes_keeps_its_generation_end_however_short(zoo):
+    """A chat answer comes back in the next turn's prompt (`output_resumed`, set by the chat route): its
+    generation-end checkpoint is stored even fewer than checkpoint_min_gap tokens above the prompt end's, so the
+    next turn resumes from the whole previous prompt and output (an agent's 12-token answers missed before)."""
+    model, tok = zoo
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=8))  # default gap 16
+    prompt = tok.encode("def parse(text):\n    tokens = text.split()\n    return")
+    first = eng.generate([prompt], dataclasses.replace(GREEDY, output_resumed=True))[0][0]
+    assert len(first.output_ids) < 16
+    assert eng.snapshot()["checkpoint_stores_by_kind"] == {"prompt_end": 1, "generation_end": 1}
+    turn2 = prompt + first.output_ids + tok.encode("\n\n")
+    assert eng.generate([turn2], GREEDY)[0][0].cached_tokens == len(prompt) + len(first.output_ids) - 1
 
 
 def test_queries_on_a_shared_header_fill_no_slot_with_their_prompt_ends(zoo):
