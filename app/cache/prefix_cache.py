@@ -110,10 +110,11 @@ class PrefixCache:
             return True
         slot = self.checkpoints.alloc()
         if slot is None:
-            was_locked = node.lock
-            node.lock += 1  # never evict the node we are storing at
-            freed = self.tree.evict_checkpoint(self._victim)
-            node.lock = was_locked
+            node.pins += 1  # never evict the node we are storing at
+            try:
+                freed = self.tree.evict_checkpoint(self._victim)
+            finally:
+                node.pins -= 1
             if freed is None:
                 self.counters.skipped_stores += 1
                 return False

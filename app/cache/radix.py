@@ -37,7 +37,8 @@ class Node:
     id: int
     children: dict[int, "Node"] = field(default_factory=dict)
     checkpoint: int | None = None  # checkpoint pool slot of the state after `depth` tokens
-    lock: int = 0
+    lock: int = 0  # holders of this node or a node below it: its KV stays
+    pins: int = 0  # holders of this very node (a sequence's deepest node, a fork's, a store's): its checkpoint stays
     kv_access: int = 0  # refreshed along the path on every match and insert
     ckpt_access: int = 0  # refreshed only when this node's checkpoint is stored or used
     evicted: bool = False  # its checkpoint was evicted for room (until one is stored here again)
@@ -210,11 +211,16 @@ class RadixTree:
         return old
 
     def lock(self, node: Node) -> None:
+        """Hold `node`: its checkpoint and the KV of its path stay (the checkpoints above it may be evicted: a
+        holder loaded its state already, or resumes from `node` itself)."""
+        node.pins += 1
         while node is not None:
             node.lock += 1
             node = node.parent
 
     def unlock(self, node: Node) -> None:
+        node.pins -= 1
+        assert node.pins >= 0, "unpin without pin"
         while True:
             node.lock -= 1
             assert node.lock >= 0, "unlock without lock"
@@ -245,9 +251,10 @@ class RadixTree:
         return (torch.cat(freed) if freed else torch.zeros(0, dtype=torch.long)), ckpts
 
     def evict_checkpoint(self, select: Callable[[list[Node]], Node]) -> int | None:
-        """Drop the checkpoint of the unlocked node `select` picks among all unlocked checkpointed nodes (in
-        node-id order); the node keeps its KV. Returns the freed slot, or None if none is evictable."""
-        candidates = sorted((n for n in self.nodes() if n.checkpoint is not None and n.lock == 0), key=lambda n: n.id)
+        """Drop the checkpoint of the node `select` picks among all checkpointed nodes no one holds itself (in
+        node-id order; one on a held node's path may go: an agent's older turns hold no slot while its next
+        turn runs); the node keeps its KV. Returns the freed slot, or None if none is evictable."""
+        candidates = sorted((n for n in self.nodes() if n.checkpoint is not None and n.pins == 0), key=lambda n: n.id)
         if not candidates:
             return None
         victim = select(candidates)
@@ -287,6 +294,7 @@ class RadixTree:
                 assert node.parent.children.get(node.tokens[0]) is node, f"node {node.id}: child key"
                 assert node.depth == node.parent.depth + len(node.tokens), f"node {node.id}: depth"
                 assert node.lock >= 0, f"node {node.id}: negative lock"
+                assert 0 <= node.pins <= node.lock, f"node {node.id}: pins outside [0, lock]"
             assert node.lock >= sum(c.lock for c in node.children.values()), f"node {node.id}: lock below children"
             slots = node.kv.tolist()
             assert not seen.intersection(slots), f"node {node.id}: KV slot owned twice"

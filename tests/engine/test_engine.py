@@ -103,6 +103,24 @@ def test_an_output_a_later_prompt_resumes_keeps_its_generation_end_however_short
     assert eng.generate([turn2], GREEDY)[0][0].cached_tokens == len(prompt) + len(first.output_ids) - 1
 
 
+def test_a_running_turn_lets_the_older_checkpoints_of_its_own_path_go(zoo):
+    """An agent's history holds a checkpoint per turn on one path. While its next turn runs, that path is held
+    (its KV must stay), but only the checkpoint the turn resumed from must: with the pool full of the older
+    ones, the turn's own stores evict them instead of being skipped (they were, and the next turn missed)."""
+    model, tok = zoo
+    eng = Engine(model, tok, EngineConfig(checkpoint_slots=2))
+    params = dataclasses.replace(GREEDY, output_resumed=True)
+    prompt, previous = tok.encode("def parse(text):\n    tokens = text.split()\n    return"), 0
+    for turn in range(3):
+        out = eng.generate([prompt], params)[0][0]
+        if turn:
+            assert out.cached_tokens == previous - 1  # the whole previous prompt and output
+        previous = len(prompt) + len(out.output_ids)
+        prompt = prompt + out.output_ids + tok.encode(f"\n# turn {turn}\n")
+    snap = eng.snapshot()
+    assert snap["checkpoint_skipped_stores"] == 0 and snap["checkpoint_stores_by_kind"]["generation_end"] == 3
+
+
 def test_queries_on_a_shared_header_fill_no_slot_with_their_prompt_ends(zoo):
     """Few-shot traffic: one long header, many short queries. The second request cuts a branch checkpoint where
     it leaves the first one's KV; its prompt end, and those of the requests that load the branch, lie fewer than
