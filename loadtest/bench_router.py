@@ -15,7 +15,8 @@ goes decides whether it hits. TTFT is the time to the first streamed chunk; the 
 Reported per workload and arm: the median over seeds of hit rate, mean TTFT, p90 TTFT and max/min requests per
 replica, and ratios against Ray's PrefixCacheAffinityRouter.
 Results: loadtest/results/bench_router_cpu.json, variant the model (with --engine JSON, engine knobs for every
-arm: `<model>/engine-<hash>`); --out DOC replaces that variant's block in DOC (loadtest/sections.py).
+arm: `<model>/engine-<hash>`; with a subset of --workloads, `/` and their names after it); --out DOC replaces
+that variant's block in DOC (loadtest/sections.py).
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ def main(argv=None) -> None:
                          f"{v['hit_delta']:+.3f}, mean TTFT {v['ttft_ratio']:.2f}x")
     md += "\n\nMedians over seeds " + ", ".join(map(str, args.seeds)) + ".\n\n" + "\n".join(lines) + "\n"
     variant, title = knob_variant(args.model, args.engine)
+    if set(args.workloads) != set(WORKLOADS):  # a subset is its own block: it does not replace the full run's
+        variant += "/" + "+".join(args.workloads)
+        title = f"{title or args.model}, workloads {' '.join(args.workloads)}"
     publish(record, variant, {"arms": results}, md, args.out, "Router: prefix-aware vs Ray's routers", title)
 
 
