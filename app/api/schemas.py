@@ -219,7 +219,7 @@ class FunctionDef(BaseModel):
     name: FunctionName
     description: Text | None = None
     parameters: dict | None = Field(default=None, description="a JSON schema whose root is an object")
-    strict: bool | None = None  # the arguments follow the schema whenever a grammar writes the call
+    strict: bool | None = None  # under auto: a call the model opens is written whole by the grammar
 
 
 class Tool(BaseModel):

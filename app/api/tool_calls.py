@@ -67,10 +67,10 @@ class ToolFormat:
     content_sep: str = ""  # between content and the first call
     end: str = "<|im_end|>"
 
-    def spec(self, functions: list[tuple[str, str]], index_base: int, max_calls: int) -> ToolSpec:
+    def spec(self, functions: list[tuple[str, str]], index_base: int, max_calls: int, trigger: str = "") -> ToolSpec:
         return ToolSpec(functions=tuple(functions), head=self.head, tail=self.tail, prefix=self.prefix,
                         separator=self.separator, suffix=self.suffix, end=self.end, index_base=index_base,
-                        max_calls=max_calls)
+                        max_calls=max_calls, trigger=trigger)
 
     def calls(self, region: str, final: bool) -> tuple[list[Piece], bool]:
         """The calls in `region` (the output from `opens` on), and whether everything in it parses as the

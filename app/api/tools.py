@@ -2,7 +2,8 @@
 caps (`ApiSettings`) and the chat template's tool format (app/api/tool_calls.py), as a `ToolPlan`.
 
 - `tool_choice` defaults to "auto" with tools and "none" without; "none" keeps the tools in the prompt and reads
-  no calls; "auto" reads the calls the model writes; "required" and a named function force calls through the
+  no calls; "auto" reads the calls the model writes (with a `strict` tool, a call the model opens is then
+  written whole by the grammar: OpenAI's strict mode); "required" and a named function force calls through the
   engine's grammar (`SamplingParams.guided_tools`, app/engine/tool_grammar.py).
 - Every function's `parameters` must be a schema whose root is an object; each is compiled by the grammar engine
   (whatever the choice, so that a schema it cannot take is refused up front), within `max_grammar_compile_s`.
@@ -32,7 +33,7 @@ class ToolPlan:
     fmt: ToolFormat
     tools: list[dict]  # what the chat template renders
     choice: str  # none | auto | required | named
-    guided: str | None  # a forced choice's ToolSpec JSON (SamplingParams.guided_tools)
+    guided: str | None  # the ToolSpec JSON the engine's grammar follows (SamplingParams.guided_tools), if any
     max_calls: int
 
     @property
@@ -41,7 +42,8 @@ class ToolPlan:
 
     @property
     def forced(self) -> bool:
-        return self.guided is not None
+        """The output is calls from its first token (a grammar without a trigger)."""
+        return self.choice in ("required", "named")
 
 
 def _schema(parameters: dict | None, where: str) -> str:
@@ -91,14 +93,28 @@ async def plan(body: ChatCompletionRequest, tok: Tokenizer, settings: ApiSetting
         functions = list(zip(names, schemas))
     max_calls = settings.max_tool_calls if body.parallel_tool_calls else 1
     guided = None
+    base = sum(len(m.tool_calls or ()) for m in body.messages)  # Kimi's call ids count the conversation's
+    unbound = not any(getattr(body, f) for f in ("stop_token_ids", "min_tokens", "ignore_eos"))
     if kind in ("required", "named"):
         for field in ("stop_token_ids", "min_tokens", "ignore_eos"):
             if getattr(body, field):
                 raise ApiError(400, f"{field}: cannot be combined with tool_choice {kind} (the grammar ends the "
                                "output where the calls end)", param=field)
-        base = sum(len(m.tool_calls or ()) for m in body.messages)  # Kimi's call ids count the conversation's
         guided = fmt.spec(functions, base, max_calls).to_json()
+    elif kind == "auto" and unbound and any(t.function.strict for t in body.tools):
+        guided = _triggered(tok, fmt.spec(functions, base, max_calls, trigger=fmt.opens).to_json())
     return ToolPlan(fmt, tools, kind, guided, max_calls)
+
+
+def _triggered(tok: Tokenizer, spec: str) -> str | None:
+    """A strict auto request's grammar (free text until the model opens a call), or None where the tokenizer
+    does not write the opener as the start of every call's tokens (a plain-text opener that merges with what
+    follows it, as the zoo's): then calls are read as written."""
+    try:
+        grammars_for(tok).tools(spec)
+    except ValueError:
+        return None
+    return spec
 
 
 async def _compile(tok: Tokenizer, schemas: list[str], limit_s: float) -> None:

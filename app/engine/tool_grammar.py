@@ -17,6 +17,11 @@ count them):
     c == max:    tail + suffix + end
 so "required" makes at least one call and `max_calls` 1 is `parallel_tool_calls: false`.
 
+With a `trigger` (`tool_choice` auto with strict tools) the output is free text, the end token included, until
+its ids end with the trigger's (the format's opener: Qwen's `<tool_call>`, Kimi's section begin); the first
+call's literal, which starts with those ids, then goes on from there, and everything after follows as above.
+That is OpenAI's `strict`: a call the model starts is written whole and its arguments follow the schema.
+
 `ToolCallState` has `GrammarState`'s interface (`sync`, `allowed`, `mask`, `terminated`, `consumed`): it follows
 a sequence's output ids and rolls back to a common prefix (speculative decoding walks it along drafts), keeping
 one snapshot per consumed token.
@@ -34,7 +39,7 @@ import torch
 if TYPE_CHECKING:
     from app.engine.grammar import JsonGrammars
 
-LITERAL, ARGS, DONE = "literal", "args", "done"
+FREE, LITERAL, ARGS, DONE = "free", "literal", "args", "done"
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -67,6 +72,7 @@ class ToolSpec:
     end: str = "<|im_end|>"
     index_base: int = 0
     max_calls: int = 1
+    trigger: str = ""  # free text until the output's ids end with this text's (see the module docstring)
 
     def to_json(self) -> str:
         return json.dumps({**self.__dict__, "functions": [list(f) for f in self.functions]}, sort_keys=True)
@@ -89,6 +95,10 @@ class PreparedTools:
     grammars: JsonGrammars
     compiled: list = field(default_factory=list)  # per function
     _choices: dict[int, list[tuple[tuple[int, ...], int]]] = field(default_factory=dict)
+
+    @property
+    def trigger(self) -> tuple[int, ...]:
+        return tuple(self.grammars.encode(self.spec.trigger)) if self.spec.trigger else ()
 
     def choices(self, calls: int) -> list[tuple[tuple[int, ...], int]]:
         """The literals allowed after `calls` complete calls: (ids, function index, or -1 for the end)."""
@@ -118,6 +128,10 @@ def prepare(grammars: JsonGrammars, text: str) -> PreparedTools:
         for ids, _ in prepared.choices(calls):
             if max(ids, default=0) >= grammars.vocab_size:
                 raise ValueError("a tool-call literal has ids past the model's vocabulary")
+    trigger = prepared.trigger
+    if spec.trigger and (not trigger or any(ids[: len(trigger)] != trigger or len(ids) == len(trigger)
+                                            for ids, _ in prepared.choices(0))):
+        raise ValueError(f"the trigger {spec.trigger!r} is not in the tokens every first call starts with")
     return prepared
 
 
@@ -143,7 +157,8 @@ class ToolCallState:
         self._xgr, self._p = xgr, prepared
         self._bits = xgr.allocate_token_bitmask(1, prepared.grammars.vocab_size)
         self._matchers: list = []  # one per call whose arguments started
-        self._at = self._literal(0)
+        self._trigger = prepared.trigger
+        self._at = _Point(FREE, 0) if self._trigger else self._literal(0)
         self._log: list[_Point] = []  # the point before each consumed token
         self.consumed: list[int] = []
 
@@ -174,7 +189,11 @@ class ToolCallState:
 
     def _accept(self, token: int) -> None:
         at = self._at
-        if at.phase == LITERAL:
+        if at.phase == FREE:
+            k = len(self._trigger)
+            fired = tuple(self.consumed[len(self.consumed) - k + 1:] if k > 1 else ()) + (token,) == self._trigger
+            nxt = _Point(LITERAL, 0, self._literal(0).open, k) if fired else at
+        elif at.phase == LITERAL:
             choices = self._p.choices(at.calls)
             still = tuple(i for i in at.open if len(choices[i][0]) > at.pos and choices[i][0][at.pos] == token)
             if not still:
@@ -208,6 +227,8 @@ class ToolCallState:
         if at.phase == ARGS:
             self._matchers[at.calls][0].fill_next_token_bitmask(self._bits)
             return unpack(self._bits[0], g.vocab_size) & g.keep
+        if at.phase == FREE:
+            return torch.ones(g.vocab_size, dtype=torch.bool)
         out = torch.zeros(g.vocab_size, dtype=torch.bool)
         if at.phase == LITERAL:
             choices = self._p.choices(at.calls)

@@ -176,3 +176,32 @@ async def test_the_sdk_raises_a_bad_request_for_a_missing_function(app):
         oai = openai_client(http)
         with pytest.raises(openai.BadRequestError, match="nope"):
             await oai.chat.completions.create(**ASK, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+async def test_strict_auto_writes_the_call_a_model_opens_whole(tmp_path):
+    """Qwen's format with its one-token `<tool_call>` (kda-tiny's weights under a synthetic tokenizer); a bias on
+    the opener makes the model open a call. Strict: the grammar writes it whole. Not strict: what the model
+    writes after it is no call, and comes back as content."""
+    from app.api.local import LocalBackend
+    from app.engine.config import EngineConfig
+    from app.engine.engine import Engine
+    from app.models.loader import load_model
+    from app.models.tokenizer import Tokenizer
+    from tests.models.families import write_family_checkpoint
+
+    d = write_family_checkpoint("qwen3_next", tmp_path)
+    local = LocalBackend(Engine(load_model(d), Tokenizer.from_dir(d), EngineConfig(kv_slots=4096)))
+    app = build_api(local, SETTINGS)
+    try:
+        async with client(app) as http:
+            oai = openai_client(http)
+            ask = {**ASK, "max_tokens": 48, "logit_bias": {str(local.tokenizer.token_id("<tool_call>")): 100},
+                   "parallel_tool_calls": False}
+            strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+            r = await oai.chat.completions.create(**{**ask, "tools": strict})
+            _check_calls(r.choices[0], most=1)
+            loose = await oai.chat.completions.create(**ask)
+            assert loose.choices[0].message.tool_calls is None
+            assert loose.choices[0].message.content.startswith("<tool_call>")
+    finally:
+        local.engine.shutdown()

@@ -109,3 +109,25 @@ def test_forced_outputs_parse_and_validate_beside_plain_requests(zoo, functions,
                 assert call.name in dict(functions)
                 jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     assert stopped >= 3
+
+
+@pytest.mark.parametrize("family, fmt", [("qwen3_next", QWEN), ("kimi_linear", KIMI)])
+def test_a_trigger_leaves_text_free_until_the_model_opens_a_call(tmp_path, family, fmt):
+    """Strict tools under auto: any text (the end token included) until the output's ids end with the opener's;
+    from there the call is forced as without a trigger."""
+    tok = Tokenizer.from_dir(write_family_tokenizer(family, tmp_path))
+    grammars = JsonGrammars(tok, tok.vocab_size)
+    spec = fmt.spec(FUNCTIONS, 0, 1, trigger=fmt.opens).to_json()
+    state = ToolCallState(grammars.tools(spec))
+    text = tok.encode("Let me check.\n")
+    assert state.allowed(text).all()
+    opened = text + tok.encode(fmt.opens)
+    forced = ToolCallState(grammars.tools(fmt.spec(FUNCTIONS, 0, 1).to_json()))
+    literal = tok.encode(fmt.opens)
+    assert _allowed(state, opened) == _allowed(forced, literal)  # the call goes on as a forced one
+    call = (tok.encode(fmt.prefix + fmt.spec(FUNCTIONS, 0, 1).head_of("add", 0)) + tok.encode('{"a":1,"b":2}') +
+            tok.encode(fmt.tail + fmt.suffix + fmt.end))  # each piece as the grammar writes it
+    state.sync(text + call)
+    assert state.terminated
+    state.sync(text)  # back before the opener: free again
+    assert state.allowed(text).all() and not state.terminated

@@ -40,3 +40,22 @@ def write_family_tokenizer(family: str, out: Path) -> Path:
     config.update(added_tokens_decoder=decoder, eos_token=eos, chat_template=(TEMPLATES / template).read_text())
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return out
+
+
+def write_family_checkpoint(family: str, out: Path) -> Path:
+    """kda-tiny under a family's synthetic tokenizer: the zoo's weights with the embedding and output rows of the
+    added tokens zero (never predicted unless a request biases them), so that a request's `logit_bias` can make
+    the model open a tool call with the format's one-token opener."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    write_family_tokenizer(family, out)
+    size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]) + len(FAMILIES[family][0])
+    config = json.loads((ZOO_DIR / "kda-tiny" / "config.json").read_text())
+    weights = load_file(str(ZOO_DIR / "kda-tiny" / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name]
+        weights[name] = torch.cat([w, torch.zeros(size - w.shape[0], w.shape[1], dtype=w.dtype)])
+    (out / "config.json").write_text(json.dumps({**config, "vocab_size": size}, indent=2))
+    save_file(weights, str(out / "model.safetensors"))
+    return out
