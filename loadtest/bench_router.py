@@ -9,7 +9,9 @@ replica holding both replicas' checkpoint budget (the hit-rate ceiling for the s
 few-shot workload also runs at 4 replicas, for hit rate.
 
 One Ray cluster serves every arm; each (workload, arm) is a fresh deployment that runs the seeds one after the
-other (each seed's prompts are new text, so an earlier seed's checkpoints only take room, as on a live server).
+other (each seed's prompts are new text, so an earlier seed's checkpoints only take room, as on a live server);
+with --interleave, each (seed, arm) is, the arms' order rotated per seed (this VM's speed drifts by up to 2x
+within a run: arms run one after the other compare different machines).
 The checkpoint budget holds about 18 dense checkpoints per replica: less than the working set, so where a prefix
 goes decides whether it hits. TTFT is the time to the first streamed chunk; the hit rate is token-weighted.
 Reported per workload and arm: the median over seeds of hit rate, mean TTFT, p90 TTFT and max/min requests per
@@ -74,12 +76,34 @@ def run_arm(url: str, workload: str, arm: str, replicas: int, args) -> dict:
     rows = []
     with deployed(url, app_args(arm, replicas, args)):
         for seed in args.seeds:
-            t0 = time.perf_counter()
-            results = run_seed(url, workload, seed, args)
-            row = {"seed": seed, **summarise(results, time.perf_counter() - t0)}
-            row["max_min"] = per_replica_ratio(row)
-            rows.append(row)
-            print(json.dumps({"workload": workload, "replicas": replicas, "arm": arm, **row}), flush=True)
+            rows.append(measure(url, workload, arm, replicas, seed, args))
+    return summary(workload, replicas, arm, rows)
+
+
+def run_interleaved(url: str, workload: str, arms: list[str], replicas: int, args) -> list[dict]:
+    """Every arm on every seed, seed by seed, the arms' order rotated each seed and each (seed, arm) on a fresh
+    deployment (warmed up first for agentic: the grammar library and the tools' schemas): a machine whose speed
+    drifts during the run, or an arm that runs after a heavier one, biases no arm."""
+    rows: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for i, seed in enumerate(args.seeds):
+        for arm in arms[i % len(arms):] + arms[: i % len(arms)]:
+            with deployed(url, app_args(arm, replicas, args)):
+                if workload == "agentic":
+                    agentic(url, args.model, 0, 4, (1, 1), cold=True)
+                rows[arm].append(measure(url, workload, arm, replicas, seed, args))
+    return [summary(workload, replicas, arm, rows[arm]) for arm in arms]
+
+
+def measure(url: str, workload: str, arm: str, replicas: int, seed: int, args) -> dict:
+    t0 = time.perf_counter()
+    results = run_seed(url, workload, seed, args)
+    row = {"seed": seed, **summarise(results, time.perf_counter() - t0)}
+    row["max_min"] = per_replica_ratio(row)
+    print(json.dumps({"workload": workload, "replicas": replicas, "arm": arm, **row}), flush=True)
+    return row
+
+
+def summary(workload: str, replicas: int, arm: str, rows: list[dict]) -> dict:
     med = {k: statistics.median(r[k] for r in rows) for k in ("hit_rate", "ttft_mean_ms", "ttft_p90_ms", "max_min")}
     return {"workload": workload, "replicas": replicas, "arm": arm, "failed": sum(r["failed"] for r in rows),
             "seeds": rows, **{f"median_{k}": v for k, v in med.items()}}
@@ -116,13 +140,18 @@ def main(argv=None) -> None:
     p.add_argument("--engine", type=json.loads, default=None, metavar="JSON",
                    help="engine knobs for every arm (e.g. '{\"lookback\": 64}'): its own variant, "
                         "<model>/engine-<hash>")
+    p.add_argument("--interleave", action="store_true", help="a fresh deployment per (seed, arm), arms rotated per "
+                   "seed (fair when the machine's speed drifts; slower: one deployment per seed and arm)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     record = start_run("bench_router", {k: v for k, v in vars(args).items() if k != "out"}, argv)
     results = []
     with cluster(num_cpus=4) as url:
         for workload in args.workloads:
-            results += [run_arm(url, workload, arm, 2, args) for arm in args.arms]
+            if args.interleave:
+                results += run_interleaved(url, workload, list(args.arms), 2, args)
+            else:
+                results += [run_arm(url, workload, arm, 2, args) for arm in args.arms]
         if args.wide_replicas and "few-shot" in args.workloads:
             results += [run_arm(url, "few-shot", arm, args.wide_replicas, args) for arm in args.arms if arm != "single"]
     md = table(["workload", "replicas", "router", "failed", "hit rate", "TTFT mean ms", "TTFT p90 ms", "max/min"],
