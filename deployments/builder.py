@@ -174,6 +174,12 @@ class ApiArgs(_Strict):
                                          "grammar within this (400 beyond)")
     recall_tokens: int = Field(1 << 22, ge=0, description="ids of recent chat answers kept, so that a re-sent "
                                "answer resumes from the ids generated (0: off; docs/serving.md, Tool calls)")
+    max_stored_responses: int = Field(10_000, ge=0, description="Responses API: stored responses at most (the "
+                                      "oldest go first)")
+    max_stored_response_bytes: int = Field(256 << 20, ge=0, description="Responses API: bytes of stored ids and "
+                                           "text at most")
+    stored_response_age_s: float = Field(24 * 3600.0, gt=0, description="Responses API: a stored response is kept "
+                                         "this long at most")
 
 
 class ServeArgs(_Strict):

@@ -23,7 +23,7 @@ import uuid
 from app.api.errors import ApiError, error_response, overloaded
 
 log = logging.getLogger(__name__)
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 KEYED = ("/v1/", "/tokenize", "/detokenize")  # routes that need the API key (when one is set)
 MAX_REQUEST_ID_CHARS = 256
 

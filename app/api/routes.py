@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api import limits, tool_answers, tools
+from app.api import limits, responses, tool_answers, tools
 from app.api.errors import ApiError, error_response, from_backend, openapi_responses, strip_422
 from app.api.guards import Guard, RequestId
 from app.api.logprobs import CompletionLogprobs, chat_logprobs
@@ -94,6 +95,9 @@ class ApiSettings:
     max_tool_calls: int = 16  # calls in one answer (parallel_tool_calls: false is 1)
     max_grammar_compile_s: float = 5.0  # the tools' parameter schemas compile within this, or the request is a 400
     recall_tokens: int = 1 << 22  # ids of recent chat answers kept so a re-sent answer keeps them (0: off)
+    max_stored_responses: int = 10_000  # Responses API: stored responses at most (the oldest go first)
+    max_stored_response_bytes: int = 256 << 20  # ... and their ids and text at most
+    stored_response_age_s: float = 24 * 3600.0  # ... kept this long at most
 
 
 def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
@@ -109,6 +113,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     _handlers(app)
     _documented_errors_only(app)
+    responses.register(app, backend, settings, recall, SimpleNamespace(_validate=_validate, _start=_start,
+                                                                       _collect=_collect))
 
     @app.get("/health", responses=openapi_responses(503))
     async def health():

@@ -317,7 +317,12 @@ class DetokenizeRequest(BaseModel):
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions,
                   TokenizeRequest, DetokenizeRequest, ResponseFormat, JsonSchemaFormat, Tool, FunctionDef,
                   NamedToolChoice, NamedFunction, ToolCall, FunctionCall)
-FIELD_NAMES = frozenset(f.alias or name for model in REQUEST_MODELS for name, f in model.model_fields.items())
+FIELD_NAMES = {f.alias or name for model in REQUEST_MODELS for name, f in model.model_fields.items()}
+
+
+def register_fields(*models: type[BaseModel]) -> None:
+    """Let `field_path` name the fields of request bodies defined elsewhere (app/api/responses.py)."""
+    FIELD_NAMES.update(f.alias or name for model in models for name, f in model.model_fields.items())
 
 
 def field_path(loc: tuple) -> str:
