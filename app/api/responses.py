@@ -1,5 +1,5 @@
-"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API over the chat machinery
-(issue 37, first part: non-streaming; `stream: true` is refused by name until its events are built).
+"""`POST /v1/responses` (streamed as OpenAI's events, app/api/response_stream.py, or not), `GET` and
+`DELETE /v1/responses/{id}`: OpenAI's Responses API over the chat machinery.
 
 A request's `input` and `instructions` become chat messages (app/api/response_items.py) and its function tools
 chat tools, so a response renders, calls tools and round-trips exactly as a chat completion does. A stored
@@ -13,6 +13,8 @@ capability); another key, an unknown, expired or deleted id are all the same 404
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -23,6 +25,7 @@ from app.api.errors import ApiError, openapi_responses
 from app.api.recall import _cut
 from app.api.response_items import ItemError, to_messages
 from app.api.response_store import ResponseStore, StoredResponse, key_digest
+from app.api.response_stream import ResponseEvents
 from app.api.schemas import FORBID, TOP_LEVEL, ChatCompletionRequest, FunctionName, Text, now, register_fields
 
 RESPONSES = openapi_responses(400, 401, 404, 413, 429, 500, 503)
@@ -72,7 +75,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stream: Literal[False] = Field(default=False, description="true: not yet (400 naming it)")
+    stream: bool = False
     store: bool = True
     previous_response_id: Text | None = None
     truncation: Literal["disabled"] | None = None
@@ -133,26 +136,32 @@ def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
                                         guided_tools=plan and plan.guided, engine_stops=not reads_calls,
                                         output_resumed=True)
         routes._validate(backend, prompt, params)
+        rid = store.new_id()
         outputs = routes._start(backend, [prompt], params, settings, True)
+
+        def conclude(content: str, calls, reason: str | None, head, output_ids: list[int]) -> dict:
+            """The response object; the answer remembered, and stored when `store` asks."""
+            out = _body(rid, body, content, calls, reason, head, len(output_ids), settings.model_name)
+            recall.remember(salt, tok.decode(prompt), prompt, output_ids)
+            if body.store:
+                said = {"role": "assistant", "content": content or None,
+                        **({"tool_calls": [{"id": c.id, "type": "function", "function": {
+                            "name": c.name, "arguments": c.arguments}} for c in calls]} if calls else {})}
+                store.put(StoredResponse(rid, key_digest(key), list(prompt), list(output_ids), messages + [said],
+                                         out, head.replica, salt))
+            return out
+
+        if body.stream:
+            shell = _body(rid, body, "", [], None, None, 0, settings.model_name)
+            return routes._sse(_stream(await routes._first(outputs), plan if reads_calls else None, tok, rid, shell,
+                                       conclude))
         if reads_calls:
             choices, head = await tool_answers.collect(aiter(outputs), plan, (), 1, tok)
             answer = choices[0]
-            content, calls, output_ids, reason = answer.parser.content, answer.parser.calls, answer.ids, \
-                answer.finish_reason
-        else:
-            final, _, _ = await routes._collect(outputs)
-            head = final[(0, 0)]
-            content, calls, output_ids, reason = head.text, [], head.output_ids, head.finish_reason
-        rid = store.new_id()
-        out = _body(rid, body, content, calls, reason, head, len(output_ids), settings.model_name)
-        recall.remember(salt, tok.decode(prompt), prompt, output_ids)
-        if body.store:
-            said = {"role": "assistant", "content": content or None,
-                    **({"tool_calls": [{"id": c.id, "type": "function", "function": {
-                        "name": c.name, "arguments": c.arguments}} for c in calls]} if calls else {})}
-            store.put(StoredResponse(rid, key_digest(key), list(prompt), list(output_ids), messages + [said], out,
-                                     head.replica, salt))
-        return out
+            return conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, head, answer.ids)
+        final, _, _ = await routes._collect(outputs)
+        head = final[(0, 0)]
+        return conclude(head.text, [], head.finish_reason, head, head.output_ids)
 
     @app.get("/v1/responses/{response_id}", responses=openapi_responses(401, 404))
     async def get(response_id: str, request: Request):
@@ -168,6 +177,32 @@ def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
         return {"id": response_id, "object": "response", "deleted": True}
 
     return store
+
+
+async def _stream(outputs, plan, tok, rid: str, shell: dict, conclude) -> AsyncIterator[dict]:
+    """The events of a streamed response (app/api/response_stream.py), its text or tool calls as they come."""
+    events = ResponseEvents(rid, shell)
+    for event in events.start():
+        yield event
+    if plan is not None:
+        choices, heads = {}, []
+        async for _, deltas, _, _ in tool_answers.events(outputs, plan, (), 1, tok, choices, heads):
+            for event in events.feed(deltas):
+                yield event
+        answer = choices[0]
+        final = conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, heads[0], answer.ids)
+    else:
+        head, content, ids, reason = None, "", [], None
+        async with aclosing(outputs):
+            async for _, out in outputs:
+                head, reason = head or out, out.finish_reason or reason
+                ids += out.new_token_ids
+                content += out.new_text
+                for event in events.feed([{"content": out.new_text}]):
+                    yield event
+        final = conclude(content, [], reason, head, ids)
+    for event in events.finish(final):
+        yield event
 
 
 def _key_of(request: Request, settings) -> str | None:
@@ -210,6 +245,7 @@ def _body(rid: str, req: ResponsesRequest, content: str, calls, reason: str | No
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "store": req.store, "truncation": "disabled", "text": {"format": {"type": "text"}},
             "metadata": req.metadata or {},
-            "usage": {"input_tokens": head.prompt_tokens, "input_tokens_details": {"cached_tokens": head.cached_tokens},
-                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": head.prompt_tokens + output_tokens}}
+            "usage": None if head is None else {
+                "input_tokens": head.prompt_tokens, "input_tokens_details": {"cached_tokens": head.cached_tokens},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": head.prompt_tokens + output_tokens}}

@@ -113,8 +113,8 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     _handlers(app)
     _documented_errors_only(app)
-    responses.register(app, backend, settings, recall, SimpleNamespace(_validate=_validate, _start=_start,
-                                                                       _collect=_collect))
+    responses.register(app, backend, settings, recall, SimpleNamespace(
+        _validate=_validate, _start=_start, _collect=_collect, _first=_first, _sse=_sse))
 
     @app.get("/health", responses=openapi_responses(503))
     async def health():

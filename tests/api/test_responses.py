@@ -68,6 +68,32 @@ async def test_get_delete_and_who_may_see_a_response(app):
             await oai.responses.retrieve(unstored.id)
 
 
+async def test_a_stream_sends_openais_events_in_order(app):
+    async with client(app) as http:
+        oai = openai_client(http)
+        plain = await oai.responses.create(model="kda-tiny", input="def add(a, b):", max_output_tokens=10,
+                                           temperature=0)
+        stream = await oai.responses.create(model="kda-tiny", input="def add(a, b):", max_output_tokens=10,
+                                            temperature=0, stream=True)
+        events = [e async for e in stream]
+        kinds = [e.type for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.incomplete"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == plain.output_text == events[-1].response.output_text
+        async with oai.responses.stream(model="kda-tiny", input="Weather?", tools=[TOOL], tool_choice="required",
+                                        parallel_tool_calls=False, max_output_tokens=64, temperature=0) as s:
+            kinds = [e.type async for e in s]
+            final = await s.get_final_response()
+        call = final.output[-1]
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+        assert (await oai.responses.retrieve(final.id)).output[-1].arguments == call.arguments
+
+
 async def test_the_store_keeps_the_newest(app):
     async with client(app) as http:
         oai = openai_client(http)
@@ -80,7 +106,7 @@ async def test_the_store_keeps_the_newest(app):
 
 @pytest.mark.parametrize("extra, param", [
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"reasoning": {"effort": "low"}}, "reasoning"),
-    ({"stream": True}, "stream"), ({"truncation": "auto"}, "truncation"),
+    ({"stream": "yes"}, "stream"), ({"truncation": "auto"}, "truncation"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input.0.type"),
