@@ -264,6 +264,29 @@ def test_tool_calls_and_agent_turns_that_resume_where_the_last_ended(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"
 
 
+def test_responses_chain_stream_tools_get_and_delete(server):
+    """The Responses API through Serve: a chain of five continuations by previous_response_id, each resuming
+    from the whole previous prompt and output; a streamed answer's events in order; a forced function call;
+    GET and DELETE, after which the id is a 404."""
+    c = _client(server)
+    r = c.responses.create(model="kda-tiny", input="def add(a, b):", max_output_tokens=8, temperature=0)
+    for turn in range(4):
+        previous = r.usage.input_tokens + r.usage.output_tokens
+        r = c.responses.create(model="kda-tiny", previous_response_id=r.id, input=f"# and {turn}",
+                               max_output_tokens=8, temperature=0)
+        assert r.usage.input_tokens_details.cached_tokens >= previous - 1
+    kinds = [e.type for e in c.responses.create(model="kda-tiny", input="x = 1", max_output_tokens=4, stream=True)]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    tool = {"type": "function", "name": "add", "parameters": TOOLS[1]["function"]["parameters"]}
+    called = c.responses.create(model="kda-tiny", input="2 + 3?", tools=[tool], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=64, temperature=0)
+    assert called.output[-1].type == "function_call" and called.output[-1].name == "add"
+    assert c.responses.retrieve(called.id).output[-1].arguments == called.output[-1].arguments
+    c.responses.delete(called.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(called.id)
+
+
 def test_a_request_with_several_prompts_is_answered(server):
     """Found by schema fuzzing: a completion with two different prompts hung with two replicas. The ingress runs
     the prompts' handle calls concurrently, and Serve gave them all the HTTP request's internal id, under which
