@@ -147,7 +147,9 @@ class IngressArgs(_Strict):
 class ApiArgs(_Strict):
     """The API's limits: the fields of `app.api.routes.ApiSettings` (docs/serving.md, API limits and security)."""
 
-    api_key: str | None = Field(None, description="Bearer key; the DASC_API_KEY environment variable also sets it")
+    api_key: str | list[str] | None = Field(None, description="Bearer key, or a list of keys any one of which is "
+                                            "accepted (each sees only its own stored responses); the DASC_API_KEY "
+                                            "environment variable also sets one")
     served_model_name: str | None = Field(None, description="the model name clients send (`model`; another is "
                                           "answered 404); unset: the `model` arg")
     max_prompt_tokens: int = Field(3072, ge=1, description="prompt tokens at most (413 beyond)")

@@ -1,8 +1,9 @@
 """`Guard`: the ASGI layer in front of the routes (and `RequestId`, X-Request-Id without Ray). In order, for
 each HTTP request:
 
-1. the API key of /v1/ routes and /tokenize, /detokenize, compared in constant time (`hmac.compare_digest` on
-   bytes: how long the comparison takes says nothing about how much of a guess was right);
+1. the API key of /v1/ routes and /tokenize, /detokenize (any one of the configured keys), compared with each
+   in constant time (`hmac.compare_digest` on bytes: how long the comparison takes says nothing about how much
+   of a guess was right);
 2. the body size: a bad Content-Length is 400, one over `max_body_bytes` is 413 before anything is read, and a
    body without one (chunked) is counted as it arrives: past the limit the request is answered 413 at once and
    the rest is never read (a route reading the body sees an exception, and whatever it answers is replaced);
@@ -33,9 +34,10 @@ class BodyTooLarge(Exception):
 
 
 class Guard:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_in_flight: int) -> None:
+    def __init__(self, app, api_key: str | tuple[str, ...] | None, max_body_bytes: int, max_in_flight: int) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self.expected = tuple(f"Bearer {k}".encode() for k in keys) or None  # several keys: any one of them
         self.max_body_bytes, self.max_in_flight = max_body_bytes, max_in_flight
         self.in_flight = 0  # generation requests open; one event loop per process, so no lock
 
@@ -58,7 +60,8 @@ class Guard:
     def _refusal(self, scope, headers: dict[bytes, list[bytes]]) -> ApiError | None:
         if self.expected is not None and scope["path"].startswith(KEYED):
             given = headers.get(b"authorization", [b""])
-            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
+            matches = [hmac.compare_digest(given[0], key) for key in self.expected] if len(given) == 1 else []
+            if not any(matches):  # every key compared, each in constant time
                 return ApiError(401, "missing or invalid API key", "authentication_error")
         lengths = set(headers.get(b"content-length", []))
         if len(lengths) > 1 or any(not v.isdigit() for v in lengths):

@@ -74,7 +74,7 @@ class ApiSettings:
     """The API's limits (`api:` in the serve config, `ApiArgs` in deployments/builder.py; docs/serving.md)."""
 
     model_name: str
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # several: any one is accepted (stored responses stay per key)
     max_prompt_tokens: int = 3072
     max_tokens_limit: int = 1024
     default_max_tokens: int = 16

@@ -94,6 +94,21 @@ async def test_a_stream_sends_openais_events_in_order(app):
         assert (await oai.responses.retrieve(final.id)).output[-1].arguments == call.arguments
 
 
+async def test_a_response_is_visible_to_the_key_that_made_it_only(backend):
+    app = build_api(backend, ApiSettings(model_name="kda-tiny", api_key=(KEY, "second-key")))
+    async with client(app) as http:
+        mine, theirs = openai_client(http), openai_client(http, api_key="second-key")
+        r = await mine.responses.create(model="kda-tiny", input="x = 1", max_output_tokens=2)
+        for call in (theirs.responses.retrieve(r.id), theirs.responses.delete(r.id),
+                     theirs.responses.create(model="kda-tiny", input="y", previous_response_id=r.id)):
+            with pytest.raises(openai.NotFoundError):  # the same 404 as for an unknown id
+                await call
+        assert (await mine.responses.retrieve(r.id)).id == r.id
+        assert (await theirs.responses.create(model="kda-tiny", input="y", max_output_tokens=1)).id != r.id
+        with pytest.raises(openai.AuthenticationError):
+            await openai_client(http, api_key="third").responses.retrieve(r.id)
+
+
 async def test_the_store_keeps_the_newest(app):
     async with client(app) as http:
         oai = openai_client(http)
