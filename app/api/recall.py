@@ -128,6 +128,16 @@ class Recall:
                 self.stats["drift_tokens"] += recalled - same
 
 
+def continue_ids(tok: Tokenizer, pieces: list[str | int], ids: list[int]) -> list[int] | None:
+    """`ids`, then the rest of the rendered chat `pieces` after the text `ids` decode to, encoded; None if that
+    text does not start the pieces' text (where it ends inside a special token, too)."""
+    base = tok.decode(ids)
+    if not "".join(tok.piece_text(p) for p in pieces).startswith(base):
+        return None
+    rest = _cut(tok, pieces, len(base))
+    return None if rest is None else list(ids) + tok.encode_pieces(rest)
+
+
 def _cut(tok: Tokenizer, pieces: list[str | int], offset: int) -> list[str | int] | None:
     """The pieces after character `offset` of their text (a text piece cut in two), or None if the offset falls
     inside a special token."""

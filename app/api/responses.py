@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app.api import limits, tool_answers, tools
 from app.api.errors import ApiError, openapi_responses
-from app.api.recall import _cut
+from app.api.recall import continue_ids
 from app.api.response_items import ItemError, to_messages
 from app.api.response_store import ResponseStore, StoredResponse, key_digest
 from app.api.response_stream import ResponseEvents
@@ -215,11 +215,9 @@ def _prompt(chat: ChatCompletionRequest, plan, previous: StoredResponse | None, 
     if previous is not None:
         messages = [m.template_dict() for m in chat.messages]
         pieces = tok.chat_pieces(messages, True, plan and plan.tools)
-        base = tok.decode(previous.prompt_ids + previous.output_ids)
-        if "".join(tok.piece_text(p) for p in pieces).startswith(base):
-            rest = _cut(tok, pieces, len(base))
-            if rest is not None:
-                return previous.prompt_ids + previous.output_ids + tok.encode_pieces(rest)
+        ids = continue_ids(tok, pieces, previous.prompt_ids + previous.output_ids)
+        if ids is not None:
+            return ids
     return limits.chat_prompt(chat, tok, settings, tools=plan and plan.tools, recall=recall)
 
 
