@@ -14,19 +14,16 @@ assigned setting differs from the one they run). Replicas that stop reporting fo
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import ray
-from ray.exceptions import RayActorError
 
+from deployments import actors
 from deployments.tuner import Setting, Tuner, TunerKnobs, Window
 
 NAME = "dasc-tuning-controller"
-NAMESPACE = "dasc"
 FORGET_WINDOWS = 3
-# What a call to a dead or unreachable controller raises (ActorDiedError and ActorUnavailableError are
-# RayActorErrors; ray.get_actor raises ValueError when the name is gone)
-UNREACHABLE = (RayActorError, ValueError)
 
 
 @ray.remote(num_cpus=0)
@@ -103,38 +100,17 @@ def _wire(setting: Setting) -> dict:
 def get_or_create(knobs: dict, initial: dict | None, enabled: bool, window_s: float, allowance: dict | None = None):
     """The named controller of this cluster: the live one, or a new one when there is none (first use, or the
     last one died). Kept until `serve.shutdown()`. Blocking: call it from a thread in async code."""
-    handle = TuningController.options(name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
-                                      ).remote(knobs, initial, enabled, window_s, allowance)
-    try:  # let serve.shutdown() remove it, as Ray's own prefix-tree actor does
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-        serve_controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        ray.get(serve_controller._register_shutdown_cleanup_actor.remote(handle))
-    except Exception:  # noqa: BLE001 - best effort: without Serve running there is nothing to register with
-        pass
-    return handle
+    return actors.get_or_create(TuningController, NAME, knobs, initial, enabled, window_s, allowance)
 
 
-class ControllerClient:
-    """How the ingress and the replicas reach the controller: `await client.call(method, *args)`. A call that
-    fails because the controller is dead or unreachable re-resolves it (creating a new one if the named actor
-    is gone) and is tried once more; the last failure is raised."""
+class ControllerClient(actors.ActorClient):
+    """How the ingress and the replicas reach the controller: `await client.call(method, *args)` (see
+    `actors.ActorClient`); `actor_cfg`: `get_or_create`'s kwargs."""
 
     def __init__(self, actor_cfg: dict) -> None:
+        super().__init__(functools.partial(get_or_create, **actor_cfg))
         self.actor_cfg = actor_cfg
-        self.handle = None
-
-    async def call(self, method: str, *args, attempts: int = 2):
-        for attempt in range(attempts):
-            try:
-                if self.handle is None:
-                    self.handle = await asyncio.to_thread(get_or_create, **self.actor_cfg)
-                return await getattr(self.handle, method).remote(*args)
-            except UNREACHABLE:
-                self.handle = None
-                if attempt == attempts - 1:
-                    raise
 
 
 def lookup():
-    return ray.get_actor(NAME, namespace=NAMESPACE)
+    return actors.lookup(NAME)

@@ -1,14 +1,16 @@
 """`Ingress`: the OpenAI API (routes in `app.api`) in front of the engine replicas.
 
-It tokenizes, validates, computes the prompt's block hashes once (salted with the request's `cache_salt`, so
-one tenant's prefixes never match another's), and calls the engine deployment through a DeploymentHandle
-with a `GenerateRequest`, so the request router sees the tokens. /metrics and /status read the tuning
-controller, which holds every replica's latest telemetry; a dead controller is re-resolved (recreated) on
-the next call. A request whose replica dies or cannot step before its first token is retried once on
-another replica (`GenerateRequest.avoid` keeps our router off the one that failed); after its first token it
-cannot be (the client has part of an answer), and the error reaches the routes, which end the stream with
-an error event. Ray's `BackPressureError` (the engine deployment's `max_queued_requests` is full) is passed
-through untouched: the API answers it with 429.
+It tokenizes, validates, computes the prompt's block hashes once (salted with the request's `cache_salt`, so one
+tenant's prefixes never match another's), and calls the engine deployment through a DeploymentHandle with a
+`GenerateRequest`, so the request router sees the tokens. /metrics and /status read the tuning controller, which
+holds every replica's latest telemetry; a dead controller is re-resolved (recreated) on the next call. A request
+whose replica dies or cannot step before its first token is retried once on another replica
+(`GenerateRequest.avoid` keeps our router off the one that failed); after its first token it cannot be (the client
+has part of an answer), and the error reaches the routes, which end the stream with an error event. A request's
+`RouteHint` (a prompt_cache_key, a Responses continuation's replica) goes to the router with it
+(`GenerateRequest.affinity`, `.resume`); a retry drops the continuation's. Stored responses live in a named actor
+(deployments/response_store.py), not here. Ray's `BackPressureError` (the engine deployment's `max_queued_requests`
+is full) is passed through untouched: the API answers it with 429.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
 
+from app.api.hints import RouteHint
 from app.api.metrics import ApiMetrics
 from app.api.routes import ApiSettings, build_api
 from app.cache.digest import block_hashes
@@ -33,6 +36,7 @@ from app.models.loader import read_config, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from deployments.controller import ControllerClient
 from deployments.messages import GenerateRequest
+from deployments.response_store import ActorResponses
 
 log = logging.getLogger("ray.serve")
 # A replica that died (RayActorError: ActorDiedError, ActorUnavailableError) or whose engine cannot step
@@ -62,10 +66,15 @@ class RayBackend:
         return block_hashes(prompt_ids, self.digest_block, salt=params.cache_salt)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, deadline: float | None = None,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; `deadline` (absolute time.time()) and `stream` go to the engine."""
+                       stream: bool = True, hint: RouteHint | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; `deadline` (absolute time.time()) and `stream` go to the engine, `hint`
+        to the router."""
         req = GenerateRequest(prompt_ids, params, prompt=self.tokenizer.decode(prompt_ids),
                               hashes=self._hashes(prompt_ids, params), deadline=deadline, stream=stream)
+        if hint is not None:
+            req.affinity = hint.key_hash(params.cache_salt)
+            if hint.replica is not None:
+                req.resume = (hint.replica, hint.prompt, hint.prefix, hint.stored_at)
         meter, streamed, retried = self.metrics.meter(params.n, stream), False, False
         _own_routing_id()
         while True:
@@ -85,6 +94,7 @@ class RayBackend:
                 log.warning("replica failed before the first token, retrying once on another: %r", exc)
                 self.metrics.retries.inc()
                 retried, req.avoid = True, _failed_replica(exc)
+                req.resume = None  # the replica it named may be the one that failed
             except Exception as exc:
                 outcome = "rejected" if type(exc).__name__ == "BackPressureError" else "error"
                 self.metrics.requests.labels(route="generate", outcome=outcome).inc()
@@ -151,6 +161,9 @@ class Ingress:
         # Serve's proxy takes, makes and echoes X-Request-Id (RequestIdMiddleware); the routes' log of it goes to
         # the replica's log through Serve's logger
         self.settings = ApiSettings(model_name=served, request_id_header=False, **api)
+        s = self.settings  # stored responses live in a named actor: they outlive this replica
+        self.backend.responses = ActorResponses(s.max_stored_responses, s.max_stored_response_bytes,
+                                                s.stored_response_age_s)
         routes_log = logging.getLogger("app.api.routes")
         routes_log.setLevel(logging.INFO)
         routes_log.handlers, routes_log.propagate = logging.getLogger("ray.serve").handlers, False

@@ -18,3 +18,7 @@ class GenerateRequest:
     deadline: float | None = None  # absolute time.time() after which the engine gives the request up
     avoid: str | None = None  # a retry's: the replica (id) that failed it, which our router then skips
     stream: bool = True  # False: each sequence's first output, then the rest merged into one (AsyncEngine.generate)
+    affinity: int | None = None  # the hashed prompt_cache_key (`RouteHint.key_hash`): a routing hint
+    # a Responses continuation's: (replica that served the stored response, its prompt tokens, its prompt + output
+    # tokens this prompt starts with, when it was stored (time.time())); see app/api/hints.py
+    resume: tuple[str, int, int, float] | None = None

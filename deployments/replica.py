@@ -2,8 +2,9 @@
 
 - `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
   chunk, the full text and token ids on the last.
-- `record_routing_stats()` publishes the digest of the prefixes it holds KV for, the marks of its checkpoints and
-  the engine's load (`app/engine/load.py`): what the router predicts a request's TTFT from.
+- `record_routing_stats()` publishes the digest of the prefixes it holds KV for, the marks of its checkpoints,
+  the engine's load (`app/engine/load.py`) and the latest prompt_cache_keys it served (hashed): what the router
+  predicts a request's TTFT from.
 - A background loop pushes a telemetry window to the tuning controller every `window_s` (with the setting it
   runs, which a recreated controller adopts) and applies the assignment it reads back (between engine steps;
   a codec change drops the old checkpoints). It retunes only when the assigned setting differs from the one it
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import statistics
 import time
+from collections import OrderedDict
 
 import torch
 from ray import serve
@@ -36,6 +38,7 @@ from deployments.messages import GenerateRequest
 
 log = logging.getLogger("ray.serve")
 SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
+KEYS_PUBLISHED = 1024  # the latest prompt_cache_keys (hashed) a replica served, published for the router
 
 
 class EngineReplica:
@@ -49,6 +52,7 @@ class EngineReplica:
         self.alive_timeout_s, self.drain_timeout_s = alive_timeout_s, drain_timeout_s
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._ttfts: list[float] = []
+        self._keys: OrderedDict[int, None] = OrderedDict()  # hashed prompt_cache_keys served lately, the newest last
         self._requests = 0
         self._waiting_peak = 0  # most requests waiting in the engine seen this window (sampled with routing stats)
         self._last = self.engine.snapshot()
@@ -61,6 +65,11 @@ class EngineReplica:
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
+        if request.affinity is not None:
+            self._keys[request.affinity] = None
+            self._keys.move_to_end(request.affinity)
+            while len(self._keys) > KEYS_PUBLISHED:
+                self._keys.popitem(last=False)
         try:
             async for out in self.engine.generate(request.prompt_ids, request.params, request.request_id,
                                                   deadline=request.deadline, stream=request.stream):
@@ -81,7 +90,8 @@ class EngineReplica:
         running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.call, collect)
         self._waiting_peak = max(self._waiting_peak, waiting)
         self._stats_version += 1
-        return {"queue": running + waiting, "digest": digest, "marks": marks, "version": self._stats_version, **load}
+        return {"queue": running + waiting, "digest": digest, "marks": marks, "version": self._stats_version,
+                "keys": list(self._keys), **load}
 
     async def snapshot(self) -> dict:
         return await asyncio.to_thread(self.engine.snapshot)

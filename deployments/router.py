@@ -12,17 +12,22 @@ burst of requests is routed before the first is sent); a request Ray sends elsew
 Knobs (deployment `request_router_kwargs`): block_size, affinity_credit, share_window (see `RouterKnobs`),
 remember_s and settle_s (see `RouterMemory`).
 
+Hints (`GenerateRequest.affinity`, `.resume`; app/api/hints.py): a prompt_cache_key credits the replicas that
+served it lately (`RouterKnobs.key_credit`), and a Responses continuation counts the stored response's
+checkpoint on the replica that served it (`routing_policy.claimed`), each weighed in the same cost model.
+
 A retried request names the replica that failed it (`GenerateRequest.avoid`: its engine could not step); that
 replica is left out unless it is the only one.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.routing_policy import RouterKnobs, RouterMemory, expected_marks, predict, rank
+from deployments.routing_policy import Hint, RouterKnobs, RouterMemory, expected_marks, predict, rank
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -34,14 +39,15 @@ class PrefixAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         chain, tokens = _request(pending_request, self.knobs.block_size)
+        hint = self._hint(pending_request)
         avoid = getattr(pending_request.args[0], "avoid", None) if pending_request and pending_request.args else None
         candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = {c.replica_id: c for c in map(self._candidate, candidate_replicas)}
-        ranks = rank(list(candidates.values()), chain, tokens, self.knobs)
+        ranks = rank(list(candidates.values()), chain, tokens, self.knobs, hint)
         request_id = pending_request.metadata.request_id if pending_request is not None else None
         if ranks and request_id is not None and self._decided.get(request_id) != ranks[0][0]:
-            self._remember(candidates[ranks[0][0]], chain, tokens, confirmed=False)
+            self._remember(candidates[ranks[0][0]], chain, tokens, hint, confirmed=False)
             self._decided[request_id] = ranks[0][0]
             while len(self._decided) > 4096:  # requests never sent (cancelled while routing)
                 self._decided.popitem(last=False)
@@ -55,12 +61,24 @@ class PrefixAwareRouter(RequestRouter):
             chain, tokens = _request(pending_request, self.knobs.block_size)
             replica = self.curr_replicas.get(replica_id)
             stats = replica.routing_stats if replica is not None else None
-            self._remember(self.memory.candidate(replica_id.unique_id, stats, None), chain, tokens, confirmed=True)
+            self._remember(self.memory.candidate(replica_id.unique_id, stats, None), chain, tokens,
+                           self._hint(pending_request), confirmed=True)
 
-    def _remember(self, c, chain: list[int], tokens, confirmed: bool) -> None:
-        p = predict(c, chain, tokens, self.knobs)
+    def _remember(self, c, chain: list[int], tokens, hint: Hint | None, confirmed: bool) -> None:
+        p = predict(c, chain, tokens, self.knobs, hint)
         self.memory.routed(c.replica_id, chain, p.uncached, expected_marks(c, chain, tokens, p, self.knobs.block_size),
-                           confirmed)
+                           confirmed, hint.key if hint else None)
+
+    def _hint(self, pending_request: PendingRequest | None) -> Hint | None:
+        """The request's routing hint (`GenerateRequest.affinity` and `.resume`), if it carries one."""
+        req = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        key, resume = getattr(req, "affinity", None), getattr(req, "resume", None)
+        if key is None and resume is None:
+            return None
+        if resume is None:
+            return Hint(key)
+        replica, prompt, prefix, stored_at = resume
+        return Hint(key, replica, prompt, prefix, fresh=time.time() - stored_at <= self.memory.remember_s)
 
     def _candidate(self, replica: RunningReplica):
         return self.memory.candidate(replica.replica_id.unique_id, replica.routing_stats,

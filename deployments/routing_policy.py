@@ -11,7 +11,10 @@ For each candidate replica `predict` estimates the request's time to first token
 - checkpointed: the deepest checkpoint the prompt starts with, read from the replica's published checkpoint
   marks (per checkpoint: the hash of its prefix's last full block, and of the few tokens from there to the
   checkpoint, checked against the prompt's own tokens). A hybrid model resumes only at a checkpoint, so KV shared
-  beyond it saves nothing for this request.
+  beyond it saves nothing for this request. A Responses continuation's hint (`Hint`) names the replica that served
+  the stored response it continues: there the generation-end checkpoint of that response counts (its prompt +
+  output - 1 - tail tokens) before any digest shows it, while the hint is fresh or the replica still holds the
+  stored prompt's KV (`claimed`).
 - resume: what a hit still recomputes: the dasc-wr replay window; 0 for dense checkpoints and under dasc-nr,
   whose checkpoints are stored (and their marks published) `tail` tokens early, where a hit loads them.
 - queued: the prefill tokens the replica reported waiting, plus what this router sent it since that report.
@@ -32,6 +35,10 @@ The request goes to the least `score`:
   it lately) saves this request nothing, but the engine cuts a branch checkpoint where the prompt leaves that KV
   (`tail` tokens before, under a recompute tail), and the prefix's later requests resume there: keeping a
   prefix on one replica is what makes its checkpoints pay.
+- key_credit (2): a replica that served the request's `prompt_cache_key` lately (it publishes the keys it
+  served; this router remembers where it sent them) is credited this many of the request's prompts' prefill:
+  requests sharing a key, which a client sends because they will share prefixes, stay on one replica until the
+  queue ahead of them there costs more than that, then spill (and the key then sits on both).
 
 The router's memory predicts that branch checkpoint, and the prompt-end one every request stores
 (`expected_marks`), as soon as it sends the request, so the prefix's next request (or the conversation's next
@@ -67,6 +74,7 @@ class RouterKnobs:
     fixed_s: float = 0.0
     step_tokens: int = 2048
     share_window: int = 64
+    key_credit: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,21 @@ class Candidate:
     step_tokens: int | None = None  # the replica's token budget per step
     queue_len: int = 0  # requests there (reported), for the record
     recent: int = 0  # of the last share_window decisions, how many went here
+    keys: frozenset[int] = frozenset()  # hashed prompt_cache_keys it served or was sent lately
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What the API knows about where a request's prefix lives (app/api/hints.py), as the router sees it.
+    key: the hashed prompt_cache_key; replica, prompt, prefix: a Responses continuation's (the replica that served
+    the stored response, that response's prompt and prompt + output lengths, which this prompt starts with);
+    fresh: the response was stored within the router's memory horizon (no digest can show it yet)."""
+
+    key: int | None = None
+    replica: str | None = None
+    prompt: int = 0
+    prefix: int = 0
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,10 +166,22 @@ def checkpointed(marks: dict, chain: list[int], tokens: list[int] | None, block:
     return 0
 
 
-def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: RouterKnobs) -> Prediction:
+def claimed(c: Candidate, chain: list[int], hint: Hint | None, block: int) -> int:
+    """The depth of the stored response's generation-end checkpoint on `c` that `hint` vouches for (0: none): its
+    prompt + output - 1 tokens (the last output token is never fed), `c.tail` early, if the hint names `c` and is
+    fresh, or `c` still holds (or was lately sent) the KV of the stored prompt's full blocks."""
+    if hint is None or hint.replica != c.replica_id or hint.prefix <= 0:
+        return 0
+    if not hint.fresh and matched_blocks(chain, c.known) < hint.prompt // block:
+        return 0
+    return max(0, hint.prefix - 1 - c.tail)
+
+
+def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,
+            hint: Hint | None = None) -> Prediction:
     """The request's predicted TTFT on `c` (see the module doc). tokens: the prompt's ids, or only its length."""
     ids, prompt_len = (None, tokens) if isinstance(tokens, int) else (tokens, len(tokens))
-    depth = checkpointed(c.marks, chain, ids, knobs.block_size)
+    depth = max(checkpointed(c.marks, chain, ids, knobs.block_size), claimed(c, chain, hint, knobs.block_size))
     depth = min(depth, prompt_len - 1) if depth else 0
     uncached = prompt_len - depth + (c.resume if depth else 0)
     uncached = max(1, min(prompt_len, uncached))
@@ -158,6 +193,8 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
     ttft = steps * fixed_s + token_s * (work + c.decoding * steps)
     kv = matched_blocks(chain, c.known) * knobs.block_size
     score = ttft + token_s * (knobs.work_weight * uncached - knobs.affinity_credit * max(0, kv - depth))
+    if hint is not None and hint.key is not None and hint.key in c.keys:
+        score -= token_s * knobs.key_credit * prompt_len
     return Prediction(depth, uncached, ttft, score, kv)
 
 
@@ -172,13 +209,13 @@ def with_peer_costs(candidates: list[Candidate]) -> list[Candidate]:
     return [c if c.token_s is not None else replace(c, token_s=token_s, fixed_s=fixed_s) for c in candidates]
 
 
-def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int,
-         knobs: RouterKnobs) -> list[list[str]]:
+def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,
+         hint: Hint | None = None) -> list[list[str]]:
     """Replica ids in preference ranks: [[chosen], [the rest by score]]. tokens: the prompt's ids, or its length."""
     if not candidates:
         return []
     candidates = with_peer_costs(candidates)
-    preds = {c.replica_id: predict(c, chain, tokens, knobs).score for c in candidates}
+    preds = {c.replica_id: predict(c, chain, tokens, knobs, hint).score for c in candidates}
     tie = knobs.block_size * min((c.token_s if c.token_s is not None else knobs.token_s) for c in candidates)
     best = min(preds.values())
     chosen = min((c for c in candidates if preds[c.replica_id] <= best + tie), key=lambda c: (c.recent, c.replica_id))
@@ -201,6 +238,8 @@ class RouterMemory:
     - per replica, the prefill tokens sent since its last stats version, of which the latest `queue_len` (the
       requests in flight there, when known, plus those routed but not yet `confirmed` as sent) are added to the
       reported queue: a request that finished before the next stats no longer counts;
+    - per replica, the prompt_cache_keys (hashed) this router sent it and when, for remember_s, beside those its
+      stats publish;
     - the replicas of the last `share_window` routing decisions (`Candidate.recent`)."""
 
     def __init__(self, remember_s: float, share_window: int, settle_s: float = 2.0,
@@ -211,16 +250,19 @@ class RouterMemory:
         self._sent: dict[str, list[int]] = {}  # replica -> prefill tokens sent since its stats version
         self._unconfirmed: dict[str, int] = {}  # replica -> routed there, not yet seen sent (Ray counts it then)
         self._expected: dict[str, dict[tuple, float]] = {}  # replica -> expected mark -> when
+        self._keys: dict[str, dict[int, float]] = {}  # replica -> hashed prompt_cache_key -> when it was sent there
         # replica -> (stats version, when first seen, digest, marks)
         self._stats: dict[str, tuple[object, float, frozenset[int], dict]] = {}
 
     def routed(self, replica_id: str, chain: list[int], tokens: int = 0, marks: list[tuple] = (),
-               confirmed: bool = True) -> None:
-        """One decision: the request with block hashes `chain`, predicted to prefill `tokens` there and to have the
-        replica store checkpoints at `marks` (`expected_marks`), went to `replica_id`.
-        confirmed=False: decided, not yet sent (see `confirmed`)."""
+               confirmed: bool = True, key: int | None = None) -> None:
+        """One decision: the request with block hashes `chain` (and hashed prompt_cache_key `key`), predicted to
+        prefill `tokens` there and to have the replica store checkpoints at `marks` (`expected_marks`), went to
+        `replica_id`. confirmed=False: decided, not yet sent (see `confirmed`)."""
         self._recent.append(replica_id)
         now = self.clock()
+        if key is not None:
+            self._keys.setdefault(replica_id, {})[key] = now
         self._routed.setdefault(replica_id, {}).update((h, now) for h in chain)
         self._sent.setdefault(replica_id, []).append(tokens)
         if marks:
@@ -257,7 +299,7 @@ class RouterMemory:
                 for h in [h for h, t in expected.items() if t < now - self.settle_s]:
                     del expected[h]
         horizon = now - self.remember_s
-        for memory in (routed, self._expected.get(replica_id, {})):
+        for memory in (routed, self._expected.get(replica_id, {}), self._keys.get(replica_id, {})):
             for h in [h for h, t in memory.items() if t < horizon]:
                 del memory[h]
         sent = self._sent.get(replica_id, [])
@@ -278,4 +320,5 @@ class RouterMemory:
             lookback_align=int(stats.get("lookback_align", 16)),
             token_s=stats.get("step_token_s"), fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
             queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
-            recent=sum(1 for r in self._recent if r == replica_id))
+            recent=sum(1 for r in self._recent if r == replica_id),
+            keys=frozenset(stats.get("keys", ())) | frozenset(self._keys.get(replica_id, ())))

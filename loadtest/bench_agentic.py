@@ -3,14 +3,17 @@
 Agents (loadtest/workloads.py, agentic) on kda-tiny behind our prefix-aware router at 2 replicas (dense
 checkpoints, controller off): one shared system prompt of about 800 tokens with six tool schemas, each agent
 4-6 turns of a tool call (`tool_choice` required or auto), its result (100-300 tokens) and an answer, the whole
-history re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and cold
-(every request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica
-import the grammar library and compile the tools' schemas.
+history re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`), then
+the same agents over the Responses API (loadtest/agent_responses.py: only the new items, with
+`previous_response_id`; a salt of their own, so they start as cold as the warm chat run), then cold (every
+request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica import the
+grammar library and compile the tools' schemas.
 
 Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
 previous request's prompt and output less one token (a request the router sent to another replica than its
-previous one counts as a miss, as its cache there is cold), the mean TTFT by step of the agent loop warm and
-cold and their ratio, and the re-tokenization drift: of the re-sent answers whose prompt resumed from the ids
+previous one counts as a miss, as its cache there is cold), over Chat Completions and over Responses, the mean
+TTFT by step of the agent loop warm and cold and their ratio, Responses' mean TTFT against warm chat's, and the
+re-tokenization drift: of the re-sent answers whose prompt resumed from the ids
 generated (the API's recall memory), those whose plain re-encoding would have differed, and the tokens that
 would have cost. Results: loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC.
 """
@@ -24,6 +27,7 @@ from collections import defaultdict
 
 import httpx
 
+from loadtest.agent_responses import agentic_responses
 from loadtest.common import start_run, table
 from loadtest.sections import knob_variant, publish
 from loadtest.serve_harness import cluster, deployed, summarise
@@ -52,10 +56,14 @@ def run_seed(url: str, seed: int, args) -> dict:
     before = recall_stats(url)
     warm = agentic(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens)
     after = recall_stats(url)
+    responses = agentic_responses(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens,
+                                  salt=f"responses-{seed}")
     cold = agentic(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens, cold=True)
     drift = {k: after[k] - before[k] for k in after}
-    row = {"seed": seed, "requests": len(warm), "failed": sum(not r["ok"] for r in warm + cold),
+    row = {"seed": seed, "requests": len(warm), "failed": sum(not r["ok"] for r in warm + cold + responses),
            "resumed": resumed(warm, args.nr_tail), "warm": summarise(warm), "cold": summarise(cold),
+           "responses_requests": len(responses), "responses_resumed": resumed(responses, args.nr_tail),
+           "responses": summarise(responses),
            "ttft_by_step_warm_ms": by_step(warm), "ttft_by_step_cold_ms": by_step(cold),
            "spliced": drift["spliced"], "drifted": drift["drifted"], "drift_tokens": drift["drift_tokens"]}
     print(json.dumps(row), flush=True)
@@ -85,18 +93,24 @@ def main(argv=None) -> None:
         warm = statistics.median(r["ttft_by_step_warm_ms"][s] for r in rows if s in r["ttft_by_step_warm_ms"])
         cold = statistics.median(r["ttft_by_step_cold_ms"][s] for r in rows if s in r["ttft_by_step_cold_ms"])
         step_rows.append([s, warm, cold, warm / cold])
-    med = {k: statistics.median(r[k] for r in rows) for k in ("resumed", "spliced", "drifted", "drift_tokens")}
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("resumed", "responses_resumed", "spliced", "drifted", "drift_tokens")}
     warm_ttft = statistics.median(r["warm"]["ttft_mean_ms"] for r in rows)
     cold_ttft = statistics.median(r["cold"]["ttft_mean_ms"] for r in rows)
-    md = table(["seed", "requests", "failed", "resumed", "hit rate", "TTFT warm ms", "TTFT cold ms", "spliced",
-                "drifted", "drift tokens"],
+    resp_ttft = statistics.median(r["responses"]["ttft_mean_ms"] for r in rows)
+    resp_ratio = statistics.median(r["responses"]["ttft_mean_ms"] / r["warm"]["ttft_mean_ms"] for r in rows)
+    md = table(["seed", "requests", "failed", "resumed", "hit rate", "TTFT warm ms", "TTFT cold ms", "Responses: "
+                "resumed", "hit rate", "TTFT ms", "spliced", "drifted", "drift tokens"],
                [[r["seed"], r["requests"], r["failed"], r["resumed"], r["warm"]["hit_rate"], r["warm"]["ttft_mean_ms"],
-                 r["cold"]["ttft_mean_ms"], r["spliced"], r["drifted"], r["drift_tokens"]] for r in rows])
+                 r["cold"]["ttft_mean_ms"], r["responses_resumed"], r["responses"]["hit_rate"],
+                 r["responses"]["ttft_mean_ms"], r["spliced"], r["drifted"], r["drift_tokens"]] for r in rows])
     md += "\n\nMean TTFT by step of the agent loop (medians over seeds):\n\n"
     md += table(["step", "warm ms", "cold ms", "warm/cold"], step_rows)
     md += (f"\n\nMedians over seeds {', '.join(map(str, args.seeds))}: {med['resumed']:.3f} of the requests after "
            f"each agent's first resumed from the previous prompt and output (target at least 0.95); mean TTFT "
-           f"{warm_ttft:.1f} ms warm vs {cold_ttft:.1f} ms cold ({warm_ttft / cold_ttft:.2f}x). Drift: of "
+           f"{warm_ttft:.1f} ms warm vs {cold_ttft:.1f} ms cold ({warm_ttft / cold_ttft:.2f}x). Over Responses with "
+           f"previous_response_id: {med['responses_resumed']:.3f} resumed (target at least 0.97), mean TTFT "
+           f"{resp_ttft:.1f} ms ({resp_ratio:.2f}x warm Chat Completions', median of the per-seed ratios). Drift: of "
            f"{med['spliced']:.0f} re-sent answers spliced from the generated ids, {med['drifted']:.0f} would have "
            f"re-encoded to other ids ({med['drift_tokens']:.0f} tokens recomputed without the memory).\n")
     variant, title = knob_variant(args.model, args.engine)

@@ -185,6 +185,15 @@ async def _chat_turn(client, model: str, messages: list[dict], tool_choice: str,
             "tool_calls": [calls[k] for k in sorted(calls)]}
 
 
+async def side_by_side(client, agent, agents: int) -> list[dict]:
+    """`agent(a)` for each of `agents` agents at once, their results in agent order; `client` closed after."""
+    try:
+        per = await asyncio.gather(*(agent(a) for a in range(agents)))
+    finally:
+        await client.close()
+    return [r for conv in per for r in conv]
+
+
 async def _agents(url: str, model: str, seed: int, agents: int, turns: tuple[int, int], answer_tokens: int,
                   cold: bool, api_key: str) -> list[dict]:
     from openai import AsyncOpenAI
@@ -222,11 +231,7 @@ async def _agents(url: str, model: str, seed: int, agents: int, turns: tuple[int
             messages.append({"role": "user", "content": f"And value_{rng.randint(0, 999)}?"})
         return out
 
-    try:
-        per = await asyncio.gather(*(agent(a) for a in range(agents)))
-    finally:
-        await client.close()
-    return [r for conv in per for r in conv]
+    return await side_by_side(client, agent, agents)
 
 
 def agentic(url: str, model: str, seed: int, agents: int = 12, turns: tuple[int, int] = (4, 6),

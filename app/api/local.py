@@ -44,7 +44,8 @@ class LocalBackend:
         self.engine.engine.validate(prompt_ids, params)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, deadline: float | None = None,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True, hint=None) -> AsyncIterator[RequestOutput]:
+        """One engine: `hint` (app/api/hints.py) has nothing to choose between."""
         meter = self.metrics.meter(params.n, stream)
         async for out in self.engine.generate(prompt_ids, params, deadline=deadline, stream=stream):
             meter.observe(out)

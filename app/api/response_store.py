@@ -7,8 +7,12 @@ that served it, its `cache_salt` (inherited by a continuation) and a digest of t
 
 `ResponseStore` bounds them in count, bytes (of ids and text) and age, evicting the oldest first. Ids are
 `resp_` and 32 random hex digits (unguessable). A response is visible only to the key that made it: `get` and
-`delete` with another key answer as for an unknown id (no oracle telling one from the other); with no key
-configured, the id itself is the capability. Thread-safe; the clock is injectable for tests.
+`delete` with another key's digest answer as for an unknown id (no oracle telling one from the other); with no
+key configured, the id itself is the capability. Thread-safe; the clock is injectable for tests.
+
+The routes reach a store through awaitable `put`, `get` and `delete` (`Responses`): `LocalResponses` holds one in
+this process (the local server); behind Serve a named Ray actor holds it (deployments/response_store.py), so
+stored responses outlive any one ingress replica.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 def key_digest(api_key: str | None) -> str:
@@ -75,17 +80,18 @@ class ResponseStore:
                 self._drop(next(iter(self._items)))
         return True
 
-    def get(self, response_id: str, api_key: str | None) -> StoredResponse | None:
-        """The stored response, or None if unknown, expired, deleted or made with another key."""
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The stored response, or None if unknown, expired, deleted or made with another key (`owner`: the
+        asking key's `key_digest`)."""
         with self._lock:
             self._expire()
             entry = self._items.get(response_id)
-        if entry is None or not secrets.compare_digest(entry[0].owner, key_digest(api_key)):
+        if entry is None or not secrets.compare_digest(entry[0].owner, owner):
             return None
         return entry[0]
 
-    def delete(self, response_id: str, api_key: str | None) -> bool:
-        if self.get(response_id, api_key) is None:
+    def delete(self, response_id: str, owner: str) -> bool:
+        if self.get(response_id, owner) is None:
             return False
         with self._lock:
             return self._drop(response_id)
@@ -105,3 +111,29 @@ class ResponseStore:
         horizon = self._clock() - self.max_age_s
         while self._items and next(iter(self._items.values()))[0].created < horizon:
             self._drop(next(iter(self._items)))
+
+
+class Responses(Protocol):
+    """A response store as the routes use it (the same methods as `ResponseStore`, awaitable)."""
+
+    async def put(self, response: StoredResponse) -> bool: ...
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse | None: ...
+
+    async def delete(self, response_id: str, owner: str) -> bool: ...
+
+
+class LocalResponses:
+    """A `ResponseStore` in this process, behind the awaitable methods of `Responses`."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def put(self, response: StoredResponse) -> bool:
+        return self.store.put(response)
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        return self.store.get(response_id, owner)
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        return self.store.delete(response_id, owner)

@@ -22,9 +22,10 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app.api import limits, tool_answers, tools
 from app.api.errors import ApiError, openapi_responses
+from app.api.hints import RouteHint
 from app.api.recall import continue_ids
 from app.api.response_items import ItemError, to_messages
-from app.api.response_store import ResponseStore, StoredResponse, key_digest
+from app.api.response_store import LocalResponses, Responses, ResponseStore, StoredResponse, key_digest
 from app.api.response_stream import ResponseEvents
 from app.api.schemas import FORBID, TOP_LEVEL, ChatCompletionRequest, FunctionName, Text, now, register_fields
 
@@ -104,19 +105,20 @@ class ResponsesRequest(BaseModel):
 register_fields(ResponsesRequest, ResponseTool, NamedResponseTool, TextOptions, TextFormat)
 
 
-def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
-    """Add the Responses routes to `app`; `routes` is app.api.routes (its generation helpers)."""
-    store = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes,
-                          settings.stored_response_age_s)
+def register(app: FastAPI, backend, settings, recall, routes) -> Responses:
+    """Add the Responses routes to `app`; `routes` is app.api.routes (its generation helpers). The store is the
+    backend's `responses` where it has one (Serve's: a named actor), else one in this process."""
+    store = getattr(backend, "responses", None) or LocalResponses(ResponseStore(
+        settings.max_stored_responses, settings.max_stored_response_bytes, settings.stored_response_age_s))
     tok = backend.tokenizer
 
     @app.post("/v1/responses", responses=RESPONSES)
     async def create(body: ResponsesRequest, request: Request):
         limits.check_request(body, settings)
-        key = _key_of(request, settings)
+        owner = key_digest(_key_of(request, settings))
         previous = None
         if body.previous_response_id is not None:
-            previous = store.get(body.previous_response_id, key)
+            previous = await store.get(body.previous_response_id, owner)
             if previous is None:
                 raise ApiError(404, f"no response {body.previous_response_id!r}", param="previous_response_id",
                                code="not_found")
@@ -128,7 +130,11 @@ def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
         salt = previous.cache_salt if previous else body.cache_salt
         chat = body.chat(messages, salt)
         plan = await tools.plan(chat, tok, settings)
-        prompt = _prompt(chat, plan, previous, tok, settings, recall)
+        prompt, continued = _prompt(chat, plan, previous, tok, settings, recall)
+        hint = RouteHint(body.prompt_cache_key)
+        if continued:  # the prompt starts with the stored ids: where they were served, their checkpoint is
+            hint = RouteHint(body.prompt_cache_key, previous.replica, len(previous.prompt_ids),
+                             len(previous.prompt_ids) + len(previous.output_ids), previous.created)
         limits.check_prompt(prompt, settings, tok)
         asked = body.max_output_tokens or max(1, min(settings.max_tokens_limit, backend.max_model_len - len(prompt)))
         reads_calls = plan is not None and plan.reads_calls
@@ -136,10 +142,10 @@ def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
                                         guided_tools=plan and plan.guided, engine_stops=not reads_calls,
                                         output_resumed=True)
         routes._validate(backend, prompt, params)
-        rid = store.new_id()
-        outputs = routes._start(backend, [prompt], params, settings, True)
+        rid = ResponseStore.new_id()
+        outputs = routes._start(backend, [prompt], params, settings, True, hint)
 
-        def conclude(content: str, calls, reason: str | None, head, output_ids: list[int]) -> dict:
+        async def conclude(content: str, calls, reason: str | None, head, output_ids: list[int]) -> dict:
             """The response object; the answer remembered, and stored when `store` asks."""
             out = _body(rid, body, content, calls, reason, head, len(output_ids), settings.model_name)
             recall.remember(salt, tok.decode(prompt), prompt, output_ids)
@@ -147,7 +153,7 @@ def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
                 said = {"role": "assistant", "content": content or None,
                         **({"tool_calls": [{"id": c.id, "type": "function", "function": {
                             "name": c.name, "arguments": c.arguments}} for c in calls]} if calls else {})}
-                store.put(StoredResponse(rid, key_digest(key), list(prompt), list(output_ids), messages + [said],
+                await store.put(StoredResponse(rid, owner, list(prompt), list(output_ids), messages + [said],
                                          out, head.replica, salt))
             return out
 
@@ -158,21 +164,22 @@ def register(app: FastAPI, backend, settings, recall, routes) -> ResponseStore:
         if reads_calls:
             choices, head = await tool_answers.collect(aiter(outputs), plan, (), 1, tok)
             answer = choices[0]
-            return conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, head, answer.ids)
+            return await conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, head,
+                                  answer.ids)
         final, _, _ = await routes._collect(outputs)
         head = final[(0, 0)]
-        return conclude(head.text, [], head.finish_reason, head, head.output_ids)
+        return await conclude(head.text, [], head.finish_reason, head, head.output_ids)
 
     @app.get("/v1/responses/{response_id}", responses=openapi_responses(401, 404))
     async def get(response_id: str, request: Request):
-        stored = store.get(response_id, _key_of(request, settings))
+        stored = await store.get(response_id, key_digest(_key_of(request, settings)))
         if stored is None:
             raise ApiError(404, f"no response {response_id!r}", code="not_found")
         return stored.body
 
     @app.delete("/v1/responses/{response_id}", responses=openapi_responses(401, 404))
     async def delete(response_id: str, request: Request):
-        if not store.delete(response_id, _key_of(request, settings)):
+        if not await store.delete(response_id, key_digest(_key_of(request, settings))):
             raise ApiError(404, f"no response {response_id!r}", code="not_found")
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -190,7 +197,8 @@ async def _stream(outputs, plan, tok, rid: str, shell: dict, conclude) -> AsyncI
             for event in events.feed(deltas):
                 yield event
         answer = choices[0]
-        final = conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, heads[0], answer.ids)
+        final = await conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, heads[0],
+                               answer.ids)
     else:
         head, content, ids, reason = None, "", [], None
         async with aclosing(outputs):
@@ -200,7 +208,7 @@ async def _stream(outputs, plan, tok, rid: str, shell: dict, conclude) -> AsyncI
                 content += out.new_text
                 for event in events.feed([{"content": out.new_text}]):
                     yield event
-        final = conclude(content, [], reason, head, ids)
+        final = await conclude(content, [], reason, head, ids)
     for event in events.finish(final):
         yield event
 
@@ -210,15 +218,17 @@ def _key_of(request: Request, settings) -> str | None:
     return request.headers.get("authorization", "").removeprefix("Bearer ") if settings.api_key else None
 
 
-def _prompt(chat: ChatCompletionRequest, plan, previous: StoredResponse | None, tok, settings, recall) -> list[int]:
-    """The stored conversation's exact ids and the new turns rendered after them; else the chat encoding."""
+def _prompt(chat: ChatCompletionRequest, plan, previous: StoredResponse | None, tok, settings,
+            recall) -> tuple[list[int], bool]:
+    """The stored conversation's exact ids and the new turns rendered after them, True; else the chat encoding,
+    False."""
     if previous is not None:
         messages = [m.template_dict() for m in chat.messages]
         pieces = tok.chat_pieces(messages, True, plan and plan.tools)
         ids = continue_ids(tok, pieces, previous.prompt_ids + previous.output_ids)
         if ids is not None:
-            return ids
-    return limits.chat_prompt(chat, tok, settings, tools=plan and plan.tools, recall=recall)
+            return ids, True
+    return limits.chat_prompt(chat, tok, settings, tools=plan and plan.tools, recall=recall), False
 
 
 def _body(rid: str, req: ResponsesRequest, content: str, calls, reason: str | None, head, output_tokens: int,

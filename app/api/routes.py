@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.api import limits, responses, tool_answers, tools
 from app.api.errors import ApiError, error_response, from_backend, openapi_responses, strip_422
 from app.api.guards import Guard, RequestId
+from app.api.hints import RouteHint
 from app.api.logprobs import CompletionLogprobs, chat_logprobs
 from app.api.recall import Recall
 from app.api.schemas import (
@@ -55,11 +56,12 @@ class Backend(Protocol):
         """Raise ValueError if the request cannot be served (context length, ...)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, deadline: float | None = None,
-                 stream: bool = True) -> AsyncIterator[RequestOutput]:
+                 stream: bool = True, hint: RouteHint | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (`stream` False: each sequence's first output, then the rest merged into
         one at its end; see `AsyncEngine.generate`). `deadline` (time.time()): a request not started by then fails
-        with QueueTimeout. Closing the iterator early aborts the request. Raises ValueError for bad input and the
-        types of app/engine/errors.py when the engine cannot serve it."""
+        with QueueTimeout. `hint`: where its prefix may live, for a router (app/api/hints.py). Closing the
+        iterator early aborts the request. Raises ValueError for bad input and the types of app/engine/errors.py
+        when the engine cannot serve it."""
 
     async def health(self) -> None:
         """Return when the engine(s) can step; raise otherwise (cheap: no generation)."""
@@ -163,7 +165,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
             limits.check_prompt(p, settings, tok)
             _validate(backend, p, params)
         rid = _request_id("cmpl", request)
-        outputs = _start(backend, prompts, params, settings, body.stream)
+        outputs = _start(backend, prompts, params, settings, body.stream, RouteHint(body.prompt_cache_key))
         if body.stream:
             first = await _first(outputs)
             return _sse(_stream_completions(first, prompts, params, body, rid, settings, tok))
@@ -200,7 +202,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         rid = _request_id("chatcmpl", request)
         if reads_calls:
             return await _chat_tools(body, plan, prompt, params, rid, settings, tok)
-        outputs = _start(backend, [prompt], params, settings, body.stream)
+        outputs = _start(backend, [prompt], params, settings, body.stream, RouteHint(body.prompt_cache_key))
         if body.stream:
             return _sse(_stream_chat(await _first(outputs), body, rid, settings, tok, lambda ids: _remember(
                 body, prompt, ids)))
@@ -224,7 +226,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
 
     async def _chat_tools(body, plan, prompt, params, rid, settings, tok):
         stops = tuple(body.stop or ()) if not plan.forced else ()
-        outputs = _start(backend, [prompt], params, settings, True)
+        outputs = _start(backend, [prompt], params, settings, True, RouteHint(body.prompt_cache_key))
         if body.stream:
             return _sse(_stream_chat_tools(await _first(outputs), body, plan, stops, params, rid, settings, tok,
                                            lambda ids: _remember(body, prompt, ids)))
@@ -288,10 +290,10 @@ def _validate(backend: Backend, prompt: list[int], params: SamplingParams) -> No
 
 
 def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, settings: ApiSettings,
-           stream: bool) -> Outputs:
+           stream: bool, hint: RouteHint | None = None) -> Outputs:
     """Start every prompt's generation; a stream's outputs go through the bounded buffer."""
     deadline = time.time() + settings.queue_timeout_s
-    return Outputs([backend.generate(p, params, deadline=deadline, stream=stream) for p in prompts],
+    return Outputs([backend.generate(p, params, deadline=deadline, stream=stream, hint=hint) for p in prompts],
                    settings.max_buffered_chunks if stream else None)
 
 

@@ -35,8 +35,7 @@ STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 TOP_LEVEL = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 # Accepted and ignored: they change nothing about a completion (docs/serving.md, "Request fields").
-# `prompt_cache_key` is OpenAI's routing hint (our router matches prefixes by themselves).
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier"})
 # Unsupported fields whose value asks for nothing beyond the default (a client library filling every field):
 # accepted. Any other value is refused naming the field. (`functions` and `function_call` are the legacy form of
 # `tools` and `tool_choice`.) On a completion, `tools` and the like are undeclared, so refused the same way.
@@ -145,6 +144,8 @@ class _Request(BaseModel):
     min_tokens: int = Field(default=0, ge=0, description="vLLM's: no stop before this many tokens")
     cache_salt: Text | None = Field(default=None, description="prefixes are shared only among requests with the "
                                     "same salt (vLLM's field): one tenant's prompts do not hit another's cache")
+    prompt_cache_key: Text | None = Field(default=None, description="OpenAI's routing hint: requests with the same "
+                                          "key (and cache_salt) go to one replica while its load allows")
     cache_lossless: bool = Field(default=False, description="extension: resume only from exact checkpoints, never "
                                  "from a compressed (dasc) one")
     response_format: ResponseFormat | None = Field(default=None, description="json_object or json_schema: the "

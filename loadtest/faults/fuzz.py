@@ -14,7 +14,7 @@ import time
 
 from loadtest.faults.client import Outcome, tally
 
-CAPS = {"max_tokens": (8, 1024), "max_completion_tokens": (8, 1024), "n": (2, 16)}
+CAPS = {"max_tokens": (8, 1024), "max_completion_tokens": (8, 1024), "max_output_tokens": (8, 1024), "n": (2, 16)}
 
 
 def cheap(body):

@@ -105,14 +105,16 @@ class Recording:
     def __init__(self, backend) -> None:
         self._backend = backend
         self.calls: list[tuple[list[int], object, float | None]] = []
+        self.hints: list = []  # each call's RouteHint
         self.refuse: BaseException | None = None
         self.refuse_after = 0
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    async def generate(self, prompt_ids, params, *, deadline=None, stream=True):
+    async def generate(self, prompt_ids, params, *, deadline=None, stream=True, hint=None):
         self.calls.append((list(prompt_ids), params, deadline))
+        self.hints.append(hint)
         if self.refuse is not None and self.refuse_after == 0:
             raise self.refuse
         outputs = self._backend.generate(prompt_ids, params, deadline=deadline, stream=stream)

@@ -19,15 +19,15 @@ def test_ids_are_unguessable_and_a_response_is_visible_to_its_key_only():
     store = ResponseStore()
     ids = {store.new_id() for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"resp_[0-9a-f]{32}", i) for i in ids)
-    mine = _response(store, "k")
+    mine, k, other, nobody = _response(store, "k"), key_digest("k"), key_digest("other"), key_digest(None)
     store.put(mine)
-    assert store.get(mine.id, "k") is mine
-    assert store.get(mine.id, "other") is None and store.get(mine.id, None) is None
-    assert not store.delete(mine.id, "other") and store.get(mine.id, "k") is mine
-    assert store.delete(mine.id, "k") and store.get(mine.id, "k") is None and not store.delete(mine.id, "k")
+    assert store.get(mine.id, k) is mine
+    assert store.get(mine.id, other) is None and store.get(mine.id, nobody) is None
+    assert not store.delete(mine.id, other) and store.get(mine.id, k) is mine
+    assert store.delete(mine.id, k) and store.get(mine.id, k) is None and not store.delete(mine.id, k)
     open_ = _response(store, None)  # no key configured: the id is the capability
     store.put(open_)
-    assert store.get(open_.id, None) is open_ and store.get("resp_" + "0" * 32, None) is None
+    assert store.get(open_.id, nobody) is open_ and store.get("resp_" + "0" * 32, nobody) is None
 
 
 def test_the_bounds_evict_the_oldest():
@@ -38,12 +38,12 @@ def test_the_bounds_evict_the_oldest():
         made.append(_response(store))
         store.put(made[-1])
         now[0] += 10
-    assert [r.id for r in made if store.get(r.id, "k")] == [r.id for r in made[2:]]  # count
+    assert [r.id for r in made if store.get(r.id, key_digest("k"))] == [r.id for r in made[2:]]  # count
     big = _response(store, ids=1500)  # 6000+ bytes of ids: the bytes bound leaves room for it alone
     store.put(big)
-    assert store.get(big.id, "k") is big and len(store) < 4
+    assert store.get(big.id, key_digest("k")) is big and len(store) < 4
     now[0] += 101  # age
-    assert store.get(big.id, "k") is None and len(store) == 0
+    assert store.get(big.id, key_digest("k")) is None and len(store) == 0
     assert not store.put(_response(store, ids=5000))  # larger than the whole bound: not kept
 
 

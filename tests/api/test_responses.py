@@ -7,8 +7,9 @@ from __future__ import annotations
 import openai
 import pytest
 
+from app.api.hints import RouteHint
 from app.api.routes import ApiSettings, build_api
-from tests.api.common import KEY, client, openai_client
+from tests.api.common import KEY, Recording, client, openai_client
 
 pytestmark = pytest.mark.anyio
 SETTINGS = ApiSettings(model_name="kda-tiny", api_key=KEY, max_tokens_limit=256, max_stored_responses=8)
@@ -107,6 +108,29 @@ async def test_a_response_is_visible_to_the_key_that_made_it_only(backend):
         assert (await theirs.responses.create(model="kda-tiny", input="y", max_output_tokens=1)).id != r.id
         with pytest.raises(openai.AuthenticationError):
             await openai_client(http, api_key="third").responses.retrieve(r.id)
+
+
+async def test_routing_hints_name_the_stored_prefix_and_the_prompt_cache_key(backend):
+    """What the router is told (app/api/hints.py): a continuation's hint carries the stored response's prompt and
+    prompt + output lengths, which its prompt starts with; prompt_cache_key reaches the backend from all three
+    generation routes, hashed with the salt (one tenant's key never steers another's)."""
+    recording = Recording(backend)
+    app = build_api(recording, SETTINGS)
+    async with client(app) as http:
+        oai = openai_client(http)
+        r = await oai.responses.create(model="kda-tiny", input="x = 1", max_output_tokens=3, temperature=0,
+                                       extra_body={"prompt_cache_key": "k1"})
+        await oai.responses.create(model="kda-tiny", input="y", previous_response_id=r.id, max_output_tokens=1)
+        await oai.chat.completions.create(model="kda-tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=1, prompt_cache_key="k2")
+        await oai.completions.create(model="kda-tiny", prompt="z", max_tokens=1, extra_body={"prompt_cache_key": "k3"})
+    first, continued, chat, completion = recording.hints
+    assert first.key == "k1" and first.prefix == 0
+    stored = r.usage.input_tokens + r.usage.output_tokens
+    assert (continued.key, continued.prompt, continued.prefix) == (None, r.usage.input_tokens, stored)
+    assert recording.calls[1][0][:r.usage.input_tokens] == recording.calls[0][0] and len(recording.calls[1][0]) > stored
+    assert (chat.key, completion.key) == ("k2", "k3")
+    assert chat.key_hash("a") != chat.key_hash("b") and chat.key_hash(None) == RouteHint("k2").key_hash(None)
 
 
 async def test_the_store_keeps_the_newest(app):

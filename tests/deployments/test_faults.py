@@ -1,6 +1,7 @@
 """Faults under a running app on a real local Ray Serve (loopback): the tuning controller killed, a replica whose
-engine cannot step, a replica killed mid-stream. Each scenario checks what a client and an operator see
-(/metrics, /status, /health, the answers) and that the service comes back by itself.
+engine cannot step, a replica killed mid-stream, a Responses continuation whose replica or ingress was killed. Each
+scenario checks what a client and an operator see (/metrics, /status, /health, the answers) and that the service
+comes back by itself.
 
 One deployment serves the module (two replicas of kda-tiny, telemetry every 0.5 s, Serve's health check every
 second), then a smaller one the admission test. Waits poll an observable condition until a generous deadline;
@@ -13,11 +14,14 @@ import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx
+import openai
 import pytest
 import ray
 from ray import serve
 
+from app.api.response_store import key_digest
 from deployments import controller as controller_mod
+from deployments import response_store
 from deployments.builder import build_app
 from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixture used here
     HeldStream,
@@ -141,6 +145,34 @@ def test_a_killed_replica_ends_its_stream_cleanly_and_leaves_the_metrics(app):
     assert f'dasc:prefix_cache_queries_total{{engine="{victim}"' in page
     assert f'dasc:num_requests_running{{engine="{victim}"' not in page
     _wait_for(lambda: len(_replicas(app)) == 2 and _get(f"{app}/health").status_code == 200, "Serve replaces it")
+
+
+def test_a_continuation_outlives_its_replica_and_a_stored_response_its_ingress(app):
+    """Issue 37: a continuation whose stored response's replica was killed is computed again from the stored ids on
+    another replica (slower, never an error); stored responses live in a named actor, so an ingress replica's death
+    loses none of them."""
+    c, owner = _client(app), key_digest("test-key")
+    r = c.responses.create(model="kda-tiny", input=_prompt(37, 200), max_output_tokens=8, temperature=0)
+    store = response_store.lookup()  # started by the first Responses request
+    victim = ray.get(store.get.remote(r.id, owner)).replica
+    assert victim is not None
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::dasc#EngineReplica#{victim}", namespace="serve"), no_restart=True)
+    more = c.responses.create(model="kda-tiny", previous_response_id=r.id, input="and then?", max_output_tokens=4,
+                              temperature=0)
+    assert more.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens and more.output_text
+    assert ray.get(store.get.remote(more.id, owner)).replica not in (None, victim)
+    ingress = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"]]
+    assert len(ingress) == 1
+    ray.kill(ray.get_actor(ingress[0], namespace="serve"), no_restart=True)
+
+    def retrieved():
+        try:
+            return c.responses.retrieve(more.id)
+        except openai.APIError:  # the proxy has no ingress until Serve replaces it
+            return None
+
+    assert _wait_for(retrieved, "a new ingress serves the stored response").output_text == more.output_text
+    _wait_for(lambda: len(_replicas(app)) == 2 and _get(f"{app}/health").status_code == 200, "Serve replaces both")
 
 
 def test_a_client_leaving_a_multi_prompt_stream_stops_every_generation(app):

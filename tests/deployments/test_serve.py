@@ -287,6 +287,20 @@ def test_responses_chain_stream_tools_get_and_delete(server):
         c.responses.retrieve(called.id)
 
 
+def test_requests_sharing_a_prompt_cache_key_land_on_one_replica_while_the_load_allows(server):
+    """Issue 37: 20 requests, one at a time, sharing one prompt_cache_key and no prefix (each prompt its own) are
+    all served by one replica (`system_fingerprint` names it); a second key is routed by the same rule."""
+    c = _client(server)
+
+    def served(i: int, key: str) -> str:
+        r = c.completions.create(model="kda-tiny", prompt=_prompt(4000 + i, 120), max_tokens=1, temperature=0,
+                                 extra_body={"prompt_cache_key": key})
+        return r.system_fingerprint
+
+    assert len({served(i, "agent-7") for i in range(20)}) == 1
+    assert len({served(100 + i, "agent-8") for i in range(6)}) == 1
+
+
 def test_a_request_with_several_prompts_is_answered(server):
     """Found by schema fuzzing: a completion with two different prompts hung with two replicas. The ingress runs
     the prompts' handle calls concurrently, and Serve gave them all the HTTP request's internal id, under which
