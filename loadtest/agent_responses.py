@@ -16,7 +16,7 @@ TOOLS = [{"type": "function", **t["function"]} for t in AGENT_TOOLS]  # the Resp
 
 async def _turn(client, model: str, items: list[dict], previous_id: str | None, tool_choice: str, max_tokens: int,
                 salt: str) -> dict:
-    """One streamed response: ok, TTFT (latency_s: to the first output delta), usage, id and the function calls."""
+    """One streamed response: ok, TTFT (latency_s: to the first event), usage, id and the function calls."""
     t0 = time.perf_counter()
     ttft, final = None, None
     try:
@@ -25,7 +25,7 @@ async def _turn(client, model: str, items: list[dict], previous_id: str | None, 
             parallel_tool_calls=False, max_output_tokens=max_tokens, temperature=0, stream=True,
             extra_body={} if previous_id else {"cache_salt": salt})
         async for event in stream:
-            if ttft is None and (event.type.endswith(".delta") or event.type == "response.output_item.added"):
+            if ttft is None:  # the server sends its first event once the first token is out, as chat its first chunk
                 ttft = time.perf_counter() - t0
             if event.type in ("response.completed", "response.incomplete"):
                 final = event.response

@@ -1,6 +1,6 @@
 """Locust users for dasc-serve (OpenAI API): `make loadtest` runs them headless against a running server.
 
-Three workloads, each a user class (pick with `locust ... FewShotUser` or run all):
+Five workloads, each a user class (pick with `locust ... FewShotUser` or run all):
 - FewShotUser: completions whose prompts share one of a few long few-shot headers, then a new question.
 - ChatUser: multi-turn chat whose history grows turn by turn (each turn re-sends the whole history).
 - ReuseDistanceUser: the paper's six-phase reuse-distance replay (C.2): phases whose working sets shrink
@@ -8,6 +8,8 @@ Three workloads, each a user class (pick with `locust ... FewShotUser` or run al
 - AgentUser: an agent loop over Chat Completions (loadtest/workloads.py, agentic): one shared system prompt with
   six tool schemas; each turn a call (`tool_choice` required or auto), the tool's result and an answer, the
   whole history re-sent every time.
+- ResponsesAgentUser: the same loop over the Responses API, each turn only its new items with
+  `previous_response_id`.
 Every user is bounded by locust's --run-time; prompts are deterministic text (no tokenizer needed).
 """
 
@@ -131,3 +133,49 @@ class AgentUser(_ApiUser):
                 return self.reset()
         self.messages.append({"role": "assistant", "content": message.get("content") or ""})
         self.messages.append({"role": "user", "content": f"And value_{self.rng.randint(0, 999)}?"})
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in AGENT_TOOLS]
+
+
+class ResponsesAgentUser(_ApiUser):
+    """AgentUser's loop over the Responses API: each request after the first sends only its new items with
+    `previous_response_id` (the server resumes from the stored ids)."""
+
+    max_turns = 5
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+        self.reset()
+
+    def reset(self) -> None:
+        self.turns, self.previous = 0, None
+        self.items = [{"role": "system", "content": AGENT_SYSTEM},
+                      {"role": "user", "content": f"Find why value_{self.rng.randint(0, 999)} is wrong."}]
+
+    def ask(self, tool_choice: str, max_tokens: int, name: str) -> list[dict] | None:
+        body = {**NAMED, "input": self.items, "previous_response_id": self.previous, "tools": RESPONSE_TOOLS,
+                "tool_choice": tool_choice, "parallel_tool_calls": False, "max_output_tokens": max_tokens,
+                "temperature": 0}
+        with self.client.post("/v1/responses", json=body, headers=HEADERS, name=name, catch_response=True) as r:
+            if r.status_code != 200:
+                r.failure(f"{r.status_code}: {r.text[:200]}")
+                return None
+            answer = r.json()
+        self.previous = answer["id"]
+        return [o for o in answer["output"] if o["type"] == "function_call"]
+
+    @task
+    def turn(self) -> None:
+        if self.turns >= self.max_turns:
+            self.reset()
+        self.turns += 1
+        calls = self.ask("required" if self.rng.random() < 0.5 else "auto", 96, "responses-call")
+        if calls is None:
+            return self.reset()
+        if calls:
+            self.items = [{"type": "function_call_output", "call_id": c["call_id"], "output": text_block(
+                self.rng.randrange(10**6), self.rng.randint(8, 15))} for c in calls]
+            if self.ask("auto", 12, "responses-answer") is None:
+                return self.reset()
+        self.items = [{"role": "user", "content": f"And value_{self.rng.randint(0, 999)}?"}]
