@@ -1,21 +1,21 @@
 """Agentic benchmark: `python -m loadtest.bench_agentic [--out docs/benchmarks.md]` (about 15 minutes on 2 cores).
 
 Agents (loadtest/workloads.py, agentic) on kda-tiny behind our prefix-aware router at 2 replicas (dense
-checkpoints, controller off): one shared system prompt of about 800 tokens with six tool schemas, each agent
-4-6 turns of a tool call (`tool_choice` required or auto), its result (100-300 tokens) and an answer, the whole
-history re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`), then
-the same agents over the Responses API (loadtest/agent_responses.py: only the new items, with
-`previous_response_id`; a salt of their own, so they start as cold as the warm chat run), then cold (every
+checkpoints, controller off): one shared system prompt of about 800 tokens with six tool schemas, each agent 4-6
+turns of a tool call (`tool_choice` required or auto), its result (100-300 tokens) and an answer, the whole history
+re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and the same agents
+over the Responses API (loadtest/agent_responses.py: only the new items, with `previous_response_id`; a salt of
+their own, so they start as cold as the warm chat run), in an order that alternates with the seed, then cold (every
 request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica import the
 grammar library and compile the tools' schemas.
 
 Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
-previous request's prompt and output less one token (a request the router sent to another replica than its
-previous one counts as a miss, as its cache there is cold), over Chat Completions and over Responses, the mean
-TTFT by step of the agent loop warm and cold and their ratio, Responses' mean TTFT against warm chat's, and the
-re-tokenization drift: of the re-sent answers whose prompt resumed from the ids
-generated (the API's recall memory), those whose plain re-encoding would have differed, and the tokens that
-would have cost. Results: loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC.
+previous request's prompt and output less one token (a request the router sent to another replica than its previous
+one counts as a miss, as its cache there is cold), over Chat Completions and over Responses, the mean TTFT by step
+of the agent loop warm and cold and their ratio, Responses' mean TTFT against warm chat's, and the re-tokenization
+drift: of the re-sent answers whose prompt resumed from the ids generated (the API's recall memory), those whose
+plain re-encoding would have differed, and the tokens that would have cost. Results:
+loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC.
 """
 
 from __future__ import annotations
@@ -52,18 +52,28 @@ def recall_stats(url: str) -> dict:
     return httpx.get(f"{url}/status", timeout=30).json()["recall"]
 
 
+def continuations_ms(results: list[dict]) -> float:
+    """Mean TTFT of the requests after each agent's first (those that resume), in ms."""
+    return statistics.fmean(r["latency_s"] * 1e3 for r in results if r["ok"] and r.get("previous") is not None)
+
+
 def run_seed(url: str, seed: int, args) -> dict:
+    def over_responses():
+        return agentic_responses(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens,
+                                 salt=f"responses-{seed}")
+
+    responses = over_responses() if seed % 2 else None  # which API goes first alternates with the seed
     before = recall_stats(url)
     warm = agentic(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens)
     after = recall_stats(url)
-    responses = agentic_responses(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens,
-                                  salt=f"responses-{seed}")
+    responses = responses or over_responses()
     cold = agentic(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens, cold=True)
     drift = {k: after[k] - before[k] for k in after}
     row = {"seed": seed, "requests": len(warm), "failed": sum(not r["ok"] for r in warm + cold + responses),
            "resumed": resumed(warm, args.nr_tail), "warm": summarise(warm), "cold": summarise(cold),
            "responses_requests": len(responses), "responses_resumed": resumed(responses, args.nr_tail),
-           "responses": summarise(responses),
+           "responses": summarise(responses), "ttft_by_step_responses_ms": by_step(responses),
+           "continuations_ms": {"chat": continuations_ms(warm), "responses": continuations_ms(responses)},
            "ttft_by_step_warm_ms": by_step(warm), "ttft_by_step_cold_ms": by_step(cold),
            "spliced": drift["spliced"], "drifted": drift["drifted"], "drift_tokens": drift["drift_tokens"]}
     print(json.dumps(row), flush=True)
@@ -90,27 +100,30 @@ def main(argv=None) -> None:
     steps = sorted({s for r in rows for s in r["ttft_by_step_warm_ms"]}, key=int)
     step_rows = []
     for s in steps:
-        warm = statistics.median(r["ttft_by_step_warm_ms"][s] for r in rows if s in r["ttft_by_step_warm_ms"])
-        cold = statistics.median(r["ttft_by_step_cold_ms"][s] for r in rows if s in r["ttft_by_step_cold_ms"])
-        step_rows.append([s, warm, cold, warm / cold])
+        warm, cold, resp = (statistics.median(r[k][s] for r in rows if s in r[k]) for k in (
+            "ttft_by_step_warm_ms", "ttft_by_step_cold_ms", "ttft_by_step_responses_ms"))
+        step_rows.append([s, warm, cold, warm / cold, resp])
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("resumed", "responses_resumed", "spliced", "drifted", "drift_tokens")}
     warm_ttft = statistics.median(r["warm"]["ttft_mean_ms"] for r in rows)
     cold_ttft = statistics.median(r["cold"]["ttft_mean_ms"] for r in rows)
     resp_ttft = statistics.median(r["responses"]["ttft_mean_ms"] for r in rows)
     resp_ratio = statistics.median(r["responses"]["ttft_mean_ms"] / r["warm"]["ttft_mean_ms"] for r in rows)
+    cont = {k: statistics.median(r["continuations_ms"][k] for r in rows) for k in ("chat", "responses")}
     md = table(["seed", "requests", "failed", "resumed", "hit rate", "TTFT warm ms", "TTFT cold ms", "Responses: "
                 "resumed", "hit rate", "TTFT ms", "spliced", "drifted", "drift tokens"],
                [[r["seed"], r["requests"], r["failed"], r["resumed"], r["warm"]["hit_rate"], r["warm"]["ttft_mean_ms"],
                  r["cold"]["ttft_mean_ms"], r["responses_resumed"], r["responses"]["hit_rate"],
                  r["responses"]["ttft_mean_ms"], r["spliced"], r["drifted"], r["drift_tokens"]] for r in rows])
     md += "\n\nMean TTFT by step of the agent loop (medians over seeds):\n\n"
-    md += table(["step", "warm ms", "cold ms", "warm/cold"], step_rows)
+    md += table(["step", "warm ms", "cold ms", "warm/cold", "Responses ms"], step_rows)
     md += (f"\n\nMedians over seeds {', '.join(map(str, args.seeds))}: {med['resumed']:.3f} of the requests after "
            f"each agent's first resumed from the previous prompt and output (target at least 0.95); mean TTFT "
            f"{warm_ttft:.1f} ms warm vs {cold_ttft:.1f} ms cold ({warm_ttft / cold_ttft:.2f}x). Over Responses with "
            f"previous_response_id: {med['responses_resumed']:.3f} resumed (target at least 0.97), mean TTFT "
-           f"{resp_ttft:.1f} ms ({resp_ratio:.2f}x warm Chat Completions', median of the per-seed ratios). Drift: of "
+           f"{resp_ttft:.1f} ms ({resp_ratio:.2f}x warm Chat Completions', median of the per-seed ratios); over "
+           f"the requests after each agent's first, {cont['responses']:.1f} ms against {cont['chat']:.1f} ms "
+           f"({cont['responses'] / cont['chat']:.2f}x). Drift: of "
            f"{med['spliced']:.0f} re-sent answers spliced from the generated ids, {med['drifted']:.0f} would have "
            f"re-encoded to other ids ({med['drift_tokens']:.0f} tokens recomputed without the memory).\n")
     variant, title = knob_variant(args.model, args.engine)
