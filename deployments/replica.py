@@ -2,9 +2,9 @@
 
 - `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
   chunk, the full text and token ids on the last.
-- `record_routing_stats()` publishes the digest of the prefixes it holds KV for, the marks of its checkpoints,
-  the engine's load (`app/engine/load.py`) and the latest prompt_cache_keys it served (hashed): what the router
-  predicts a request's TTFT from.
+- `record_routing_stats()` publishes the digest of the prefixes it holds KV for, the marks of its checkpoints (and of
+  its host tier's, with their bytes and the measured load cost per byte), the engine's load (`app/engine/load.py`) and
+  the latest prompt_cache_keys it served (hashed): what the router predicts a request's TTFT from.
 - A background loop pushes a telemetry window to the tuning controller every `window_s` (with the setting it
   runs, which a recreated controller adopts) and applies the assignment it reads back (between engine steps;
   a codec change drops the old checkpoints). It retunes only when the assigned setting differs from the one it
@@ -85,7 +85,11 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict:
         def collect(engine: Engine):
             running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
-            return running, waiting, prefix_digest(engine.cache.tree, self.digest_block), load_report(engine)
+            host = engine.cache.host
+            tier = {"host_marks": host.marks(self.digest_block), "host_s_per_byte": host.load_s_per_byte} \
+                if host is not None else {}
+            return running, waiting, prefix_digest(engine.cache.tree, self.digest_block), {**load_report(engine),
+                                                                                          **tier}
 
         running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.call, collect)
         self._waiting_peak = max(self._waiting_peak, waiting)

@@ -14,7 +14,9 @@ For each candidate replica `predict` estimates the request's time to first token
   beyond it saves nothing for this request. A Responses continuation's hint (`Hint`) names the replica that served
   the stored response it continues: there the generation-end checkpoint of that response counts (its prompt +
   output - 1 - tail tokens) before any digest shows it, while the hint is fresh or the replica still holds the
-  stored prompt's KV (`claimed`).
+  stored prompt's KV (`claimed`). A replica's host tier publishes marks too, with each entry's bytes: where one
+  lies deeper than every pool checkpoint the prompt starts with, the engine will load it back, so the prediction
+  resumes there and adds the load (its bytes at the replica's measured seconds per byte, `host_s_per_byte`).
 - resume: what a hit still recomputes: the dasc-wr replay window; 0 for dense checkpoints and under dasc-nr,
   whose checkpoints are stored (and their marks published) `tail` tokens early, where a hit loads them.
 - queued: the prefill tokens the replica reported waiting, plus what this router sent it since that report.
@@ -65,6 +67,7 @@ class RouterKnobs:
     work_weight: weight of the prefill the request adds to a replica, beyond its own wait (see the module doc);
     with affinity_credit 0 too, the request goes where its own TTFT is least.
     token_s, fixed_s, step_tokens: the step cost assumed for a replica that has not reported its own.
+    host_s_per_byte: the host-tier load cost assumed for a replica that has not measured its own (1 GB/s).
     share_window: how many recent routing decisions break ties."""
 
     block_size: int = 16
@@ -75,6 +78,7 @@ class RouterKnobs:
     step_tokens: int = 2048
     share_window: int = 64
     key_credit: float = 2.0
+    host_s_per_byte: float = 1e-9
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class Candidate:
     queue_len: int = 0  # requests there (reported), for the record
     recent: int = 0  # of the last share_window decisions, how many went here
     keys: frozenset[int] = frozenset()  # hashed prompt_cache_keys it served or was sent lately
+    host_marks: dict = field(default_factory=dict)  # block hash -> ((r, tail hash, bytes), ...) of its host tier
+    host_s_per_byte: float | None = None  # its measured host-tier load cost; None: RouterKnobs.host_s_per_byte
 
 
 @dataclass(frozen=True)
@@ -152,18 +158,24 @@ def checkpointed(marks: dict, chain: list[int], tokens: list[int] | None, block:
     """Depth of the deepest checkpoint among `marks` that the prompt (`chain`, `tokens`) starts with: the prompt
     holds its last full block (the chain is chained, so every block before too) and its tail. Without the prompt's
     tokens only block-aligned checkpoints count."""
+    return deepest(marks, chain, tokens, block)[0]
+
+
+def deepest(marks: dict, chain: list[int], tokens: list[int] | None, block: int) -> tuple[int, tuple]:
+    """`checkpointed`'s depth and the rest of that mark's tuple after (r, tail hash): (0, ()) for none."""
     for i in range(len(chain) - 1, -1, -1):  # a mark after block i lies deeper than any after block i - 1
-        best = 0
-        for r, tail in marks.get(chain[i], ()):
+        best = (0, ())
+        for r, tail, *rest in marks.get(chain[i], ()):
             end = (i + 1) * block + r
             if tokens is None:
                 ok = r == 0
             else:
                 ok = end <= len(tokens) and tail_hash(chain[i], tokens[(i + 1) * block : end]) == tail
-            best = max(best, end if ok else 0)
-        if best:
+            if ok and end > best[0]:
+                best = (end, tuple(rest))
+        if best[0]:
             return best
-    return 0
+    return 0, ()
 
 
 def claimed(c: Candidate, chain: list[int], hint: Hint | None, block: int) -> int:
@@ -182,6 +194,12 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
     """The request's predicted TTFT on `c` (see the module doc). tokens: the prompt's ids, or only its length."""
     ids, prompt_len = (None, tokens) if isinstance(tokens, int) else (tokens, len(tokens))
     depth = max(checkpointed(c.marks, chain, ids, knobs.block_size), claimed(c, chain, hint, knobs.block_size))
+    load_s = 0.0
+    if c.host_marks:  # a deeper host-tier entry is loaded back before the request starts
+        host, rest = deepest(c.host_marks, chain, ids, knobs.block_size)
+        if host > depth:
+            depth = host
+            load_s = rest[0] * (knobs.host_s_per_byte if c.host_s_per_byte is None else c.host_s_per_byte)
     depth = min(depth, prompt_len - 1) if depth else 0
     uncached = prompt_len - depth + (c.resume if depth else 0)
     uncached = max(1, min(prompt_len, uncached))
@@ -190,7 +208,7 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
     budget = max(1, (c.step_tokens or knobs.step_tokens) - c.decoding)
     work = c.queued + uncached
     steps = math.ceil(work / budget)
-    ttft = steps * fixed_s + token_s * (work + c.decoding * steps)
+    ttft = steps * fixed_s + token_s * (work + c.decoding * steps) + load_s
     kv = matched_blocks(chain, c.known) * knobs.block_size
     score = ttft + token_s * (knobs.work_weight * uncached - knobs.affinity_credit * max(0, kv - depth))
     if hint is not None and hint.key is not None and hint.key in c.keys:
@@ -251,7 +269,7 @@ class RouterMemory:
         self._unconfirmed: dict[str, int] = {}  # replica -> routed there, not yet seen sent (Ray counts it then)
         self._expected: dict[str, dict[tuple, float]] = {}  # replica -> expected mark -> when
         self._keys: dict[str, dict[int, float]] = {}  # replica -> hashed prompt_cache_key -> when it was sent there
-        # replica -> (stats version, when first seen, digest, marks)
+        # replica -> (stats version, when first seen, digest, marks, host-tier marks)
         self._stats: dict[str, tuple[object, float, frozenset[int], dict]] = {}
 
     def routed(self, replica_id: str, chain: list[int], tokens: int = 0, marks: list[tuple] = (),
@@ -288,7 +306,10 @@ class RouterMemory:
             marks: dict[int, tuple] = {}
             for h, r, tail in stats.get("marks", ()):
                 marks[h] = marks.get(h, ()) + ((r, tail),)
-            held = (version, now, frozenset(stats.get("digest", ())), marks)
+            host: dict[int, tuple] = {}
+            for h, r, tail, nbytes in stats.get("host_marks", ()):
+                host[h] = host.get(h, ()) + ((r, tail, nbytes),)
+            held = (version, now, frozenset(stats.get("digest", ())), marks, host)
             self._stats[replica_id] = held
             self._sent[replica_id] = []  # taken as counted in the new stats' queue
             self._unconfirmed[replica_id] = 0
@@ -321,4 +342,5 @@ class RouterMemory:
             token_s=stats.get("step_token_s"), fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
             queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
             recent=sum(1 for r in self._recent if r == replica_id),
-            keys=frozenset(stats.get("keys", ())) | frozenset(self._keys.get(replica_id, ())))
+            keys=frozenset(stats.get("keys", ())) | frozenset(self._keys.get(replica_id, ())),
+            host_marks=held[4], host_s_per_byte=stats.get("host_s_per_byte"))

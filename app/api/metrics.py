@@ -37,6 +37,11 @@ LOCAL = "local"  # the engine label of outputs no replica named (the local backe
 SNAPSHOT_COUNTERS = {"prompt_tokens": "prefix_cache_queries", "cached_tokens": "prefix_cache_hits",
                      "spec_verifies": "spec_decode_num_drafts", "spec_drafted_tokens": "spec_decode_num_draft_tokens",
                      "spec_accepted_tokens": "spec_decode_num_accepted_tokens"}
+# cache tiers below the pools (app/cache/host_tier.py): snapshot fields `<tier>_tier_<field>`
+TIERS = ("host",)
+TIER_COUNTERS = {"hits": "hits: lookups that found a deeper checkpoint there", "demotions": "checkpoints demoted there "
+                 "(with their prefix's KV)", "promotions": "entries loaded back into the pools",
+                 "promoted_tokens": "prefill tokens those promotions saved", "evictions": "entries evicted for room"}
 ACCEPTED_BUCKETS = tuple(float(a) for a in range(17))  # accepted drafts per verify piece: 0 .. MAX_SPEC_TOKENS
 ENGINE_GAUGES = {
     "hit_rate": "token-weighted prefix cache hit rate (cached prompt tokens / prompt tokens)",
@@ -106,6 +111,14 @@ class ApiMetrics:
         self.spec_decode_acceptance_length = Histogram("dasc:spec_decode_acceptance_length", "Accepted draft tokens "
                                                        "per verified draft sequence.", LABELS,
                                                        buckets=ACCEPTED_BUCKETS, registry=r)
+        # cache tiers below the pools: what each holds now, and running totals (`TIER_COUNTERS`)
+        tier_labels = LABELS + ("tier",)
+        self.tier_entries = Gauge("dasc:cache_tier_entries", "Checkpoints held in a cache tier below the pools.",
+                                  tier_labels, registry=r)
+        self.tier_bytes = Gauge("dasc:cache_tier_bytes", "Bytes held in a cache tier, by kind (state or kv).",
+                                tier_labels + ("kind",), registry=r)
+        self.tier_counters = {k: Counter(f"dasc:cache_tier_{k}", f"Cache tier {doc}.", tier_labels, registry=r)
+                              for k, doc in TIER_COUNTERS.items()}
         self._totals: dict[str, dict] = {}  # per replica ever seen: its last snapshot running totals
 
     def meter(self, n: int, stream: bool = True) -> GenerationMeter:
@@ -120,6 +133,10 @@ class ApiMetrics:
                 _remove(gauge, gone)
             _remove(self.num_requests_running, self.model_name, gone)
             _remove(self.num_requests_waiting, self.model_name, gone)
+            for tier in TIERS:
+                _remove(self.tier_entries, self.model_name, gone, tier)
+                for kind in ("state", "kv"):
+                    _remove(self.tier_bytes, self.model_name, gone, tier, kind)
         self._replicas = set(snapshots)
         for replica, snap in snapshots.items():
             for key, gauge in self.engine.items():
@@ -140,12 +157,22 @@ class ApiMetrics:
         """Add what each of `replica`'s running totals grew by since its last snapshot; a total below the last
         one means its engine restarted from 0, so all of it is new."""
         last = self._totals.setdefault(replica, {})
-        for key, name in SNAPSHOT_COUNTERS.items():
+        counters = [(key, getattr(self, name).labels(self.model_name, replica))
+                    for key, name in SNAPSHOT_COUNTERS.items()]
+        for tier in TIERS:
+            if f"{tier}_tier_entries" not in snap:
+                continue
+            self.tier_entries.labels(self.model_name, replica, tier).set(snap[f"{tier}_tier_entries"])
+            for kind in ("state", "kv"):
+                self.tier_bytes.labels(self.model_name, replica, tier, kind).set(snap[f"{tier}_tier_{kind}_bytes"])
+            counters += [(f"{tier}_tier_{k}", c.labels(self.model_name, replica, tier))
+                         for k, c in self.tier_counters.items()]
+        for key, counter in counters:
             total = snap.get(key)
             if not isinstance(total, int):
                 continue
             before = last.get(key, 0)
-            getattr(self, name).labels(self.model_name, replica).inc(total - before if total >= before else total)
+            counter.inc(total - before if total >= before else total)
             last[key] = total
         hist = snap.get("spec_accepted_per_verify")
         if isinstance(hist, dict):

@@ -38,6 +38,19 @@ class CheckpointCodec(ABC):
     def load(self, slot: int) -> LinearStates:
         """A fresh batch-1 active state restored from `slot` (the stored checkpoint is not touched)."""
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The storage tensors, slot first: what `export` and `import_rows` copy (the host tier's bytes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export its slots")
+
+    def export(self, slot: int) -> list[torch.Tensor]:
+        """`slot`'s storage rows, as stored (views: copy them before the slot is reused)."""
+        return [t[slot] for t in self.slot_tensors()]
+
+    def import_rows(self, slot: int, rows: list[torch.Tensor]) -> None:
+        """Write rows `export` gave back into `slot`: the checkpoint as it was, bit for bit."""
+        for t, row in zip(self.slot_tensors(), rows, strict=True):
+            t[slot].copy_(row, non_blocking=True)
+
 
 @dataclass(frozen=True)
 class FlatLayout:
@@ -101,6 +114,9 @@ class DenseCodec(CheckpointCodec):
 
     def load(self, slot: int) -> LinearStates:
         return LinearStates(self.conv_layout.read(self.conv[slot]), self.ssm_layout.read(self.ssm[slot]))
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [self.conv, self.ssm]
 
 
 def physical_slots(bytes_per_slot: int, budget_bytes: int | None = None, num_slots: int | None = None) -> int:

@@ -8,16 +8,24 @@ by the tree or by one running request (its private, not yet inserted tokens); `c
 verifies that every slot is owned exactly once or free. A full KV pool evicts unlocked tree leaves; a full
 checkpoint pool evicts a checkpoint by policy; when nothing is evictable the caller waits or preempts,
 and a checkpoint that cannot be stored is skipped: no request ever fails because the cache is full.
+
+With a host tier (`host`, app/cache/host_tier.py), a checkpoint leaving the pool for room (or with its KV) is
+demoted there with its prefix's KV instead of lost, and `match` reports a deeper host entry the prompt starts
+with (`host_len`, `host_bytes`), which `promote` loads back into the pools before the request is admitted. `io`
+moves the bytes (the worker's `demote`, `promote_kv`, `promote_state`, `host_drop`); `layout` names the codec
+layout stored checkpoints are in, so that no entry of another layout is ever loaded.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from app.cache.checkpoint import CheckpointPool
+from app.cache.host_tier import HostEntry, HostTier
 from app.cache.policy import SecondHitFilter, lru_select
 from app.cache.pools import KVSlots
 from app.cache.radix import InsertResult, MatchResult, Node, RadixTree
@@ -50,7 +58,8 @@ class CacheCounters:
 
 
 class PrefixCache:
-    def __init__(self, kv: KVSlots, checkpoints: CheckpointPool, admission: str = "always", select=lru_select):
+    def __init__(self, kv: KVSlots, checkpoints: CheckpointPool, admission: str = "always", select=lru_select,
+                 host: HostTier | None = None, io=None, layout: tuple = (), kv_bytes_per_token: int = 0):
         self.tree = RadixTree(on_drop=self._dropped)
         self.kv = kv
         self.checkpoints = checkpoints
@@ -58,10 +67,55 @@ class PrefixCache:
         self.select = select
         self.second_hit = SecondHitFilter()
         self.counters = CacheCounters()
+        self.host, self.io, self.layout, self.kv_bytes_per_token = host, io, layout, kv_bytes_per_token
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
-        return self.tree.match(tokens, limit, salt=salt)
+        res = self.tree.match(tokens, limit, salt=salt)
+        if self.host is not None and self.host.entries:
+            entry = self.host.find(tokens, len(tokens) if limit is None else limit, salt, self.layout)
+            if entry is not None and entry.depth > res.checkpoint_len:
+                res = res._replace(host_len=entry.depth, host_bytes=entry.nbytes)
+        return res
+
+    def promote(self, tokens: list[int], limit: int, salt: str | None, match: MatchResult) -> MatchResult:
+        """Load the host entry `match` reports back into the pools (its missing KV into fresh slots of the tree,
+        its checkpoint into the pool) and match again; `match` itself if it reports none or there is no room."""
+        if not match.host_len:
+            return match
+        entry = self.host.find(tokens, limit, salt, self.layout)
+        if entry is None:
+            return match
+        self.host.take(entry)
+        start = time.perf_counter()
+        try:
+            loaded = self._load_entry(entry, match)
+        finally:
+            self.io.host_drop([entry.id])
+        self.host.settle(entry, loaded)
+        if loaded:
+            self.host.timed(entry, time.perf_counter() - start)
+        return self.match(tokens, limit, salt) if loaded else match
+
+    def _load_entry(self, entry: HostEntry, match: MatchResult) -> bool:
+        tokens, salt = list(entry.tokens), entry.salt
+        shared = min(match.kv_len, entry.depth)  # tokens whose KV the tree holds already
+        # making room must not evict the shared KV, and only that: lock a node ending where the sharing ends
+        holder = self.tree.split_at(tokens, shared, salt) if shared else None
+        if holder is not None:
+            self.tree.lock(holder)
+        try:
+            new = self.alloc_kv(entry.depth - shared)
+        finally:
+            if holder is not None:
+                self.tree.unlock(holder)
+        if new is None:
+            return False
+        if len(new):
+            self.io.promote_kv(entry.id, shared, new)
+        res = self.insert(tokens, torch.cat([self.tree.kv_along(tokens, shared, salt), new]), salt)
+        return self.store_checkpoint(res.node, lambda slot: self.io.promote_state(entry.id, slot),
+                                     entry.kind or "host")
 
     def root(self, salt: str | None = None) -> Node:
         """Where a sequence with no cache hit stands (and locks): its salt's root."""
@@ -176,11 +230,35 @@ class PrefixCache:
 
     def _dropped(self, node: Node) -> None:
         """A checkpoint leaves the pool: count it if it never served a load (as evicted unused too, unless a layout
-        change discarded it: its placement did not fail)."""
+        change discarded it: its placement did not fail); demote it to the host tier unless it was discarded."""
         if node.ckpt_loads == 0 and node.ckpt_kind is not None:
             for drops in (self.counters.unused_drops_by_kind,
                           *(() if node.discarded else (self.counters.unused_evictions_by_kind,))):
                 drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
+        if self.host is not None and not node.discarded:
+            self._demote(node)
+
+    def _demote(self, node: Node) -> None:
+        """Copy `node`'s checkpoint and its prefix's KV to the host tier (while both are still in the pools)."""
+        salt, tokens = self.tree.path(node)
+        entry, evicted = self.host.admit(salt, tokens, self.layout, self.checkpoints.bytes_per_slot,
+                                         self.kv_bytes_per_token * len(tokens), node.ckpt_kind)
+        if evicted:
+            self.io.host_drop([e.id for e in evicted])
+        if entry is not None:
+            try:
+                self.io.demote(entry.id, node.checkpoint, self.tree.path_kv(node))
+            except BaseException:
+                self.host.take(entry)  # never filed without its bytes
+                raise
+
+    def set_layout(self, layout: tuple) -> None:
+        """Stored checkpoints are in `layout` from now on: host entries of any other go (their bytes too)."""
+        self.layout = layout
+        if self.host is not None:
+            stale = self.host.drop_layouts(layout)
+            if stale:
+                self.io.host_drop([e.id for e in stale])
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, private: list[torch.Tensor] = ()) -> None:
@@ -196,6 +274,9 @@ class PrefixCache:
         ckpts = [n.checkpoint for n in self.tree.nodes() if n.checkpoint is not None]
         assert len(ckpts) == self.checkpoints.num_used <= self.checkpoints.num_slots, "checkpoint slots leaked"
         assert not set(ckpts) & set(self.checkpoints.allocator.free_ids()), "checkpoint slot both used and free"
+        if self.host is not None:
+            store = getattr(self.io, "host", None)
+            self.host.check_integrity(self.layout, set(store.entries) if store is not None else None)
 
 
 def _reused_below(node: Node) -> bool:

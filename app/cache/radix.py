@@ -59,7 +59,10 @@ class MatchResult(NamedTuple):
     `limit` whose checkpoint was evicted for room (`Node.evicted`), else 0: the request would have resumed there
     had the pool kept it (what cache pressure costs, unlike a replay from where no checkpoint was ever cut);
     discarded_len: the same for a checkpoint a layout change discarded (`Node.discarded`; at any depth of the match,
-    capped at `limit`): the replay a retune costs once, which neither more room nor more checkpoints would save."""
+    capped at `limit`): the replay a retune costs once, which neither more room nor more checkpoints would save.
+    host_len, host_bytes: the deepest checkpoint of the host tier the prompt starts with (at most `limit`), when it
+    lies deeper than checkpoint_len, and the bytes loading it moves (0, 0 otherwise; `PrefixCache.match` fills
+    them)."""
 
     kv_len: int
     kv_node: Node | None
@@ -69,6 +72,8 @@ class MatchResult(NamedTuple):
     fork_len: int = 0
     lost_len: int = 0
     discarded_len: int = 0
+    host_len: int = 0
+    host_bytes: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -180,6 +185,25 @@ class RadixTree:
         node.kv_access = now
         dup_slots = torch.cat(dup) if dup else torch.zeros(0, dtype=torch.long)
         return InsertResult(node, torch.cat(tree_slots), dup_slots)
+
+    def kv_along(self, tokens: list[int], length: int, salt: str | None = None) -> torch.Tensor:
+        """The KV slots of the first `length` tokens of `tokens` (which the tree must hold), in order."""
+        node, pos, parts = self.roots[salt], 0, []
+        while pos < length:
+            child = node.children[tokens[pos]]
+            take = min(len(child.tokens), length - pos)
+            parts.append(child.kv[:take])
+            node, pos = child, pos + take
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    @staticmethod
+    def path_kv(node: Node) -> torch.Tensor:
+        """The KV slots of every token from `node`'s root to its end, in order."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.kv)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else torch.zeros(0, dtype=torch.long)
 
     def split_at(self, tokens: list[int], length: int, salt: str | None = None) -> Node:
         """The node ending exactly at `length` tokens of `tokens` (which the tree must hold), splitting an edge."""

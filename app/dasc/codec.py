@@ -69,6 +69,9 @@ class DascCodec(CheckpointCodec):
             if self.quant == "int8" else None
         self.conv = self.conv_layout.zeros(num_slots)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.values, self.scales, self.conv) if t is not None]
+
     def _block(self, t: torch.Tensor, slot: int, layer: int) -> torch.Tensor:
         """The storage rows of `layer` in `slot` (a view)."""
         if self.layout == "ragged":

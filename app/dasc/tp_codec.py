@@ -81,6 +81,9 @@ class PlacedDascCodec(CheckpointCodec):
             if self.quant == "int8" else None
         self.conv = [torch.zeros(num_slots, *s, dtype=d, device=self.device) for s, d in self._conv_meta]
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.values, self.scales) if t is not None] + list(self.conv)
+
     def store(self, slot: int, state: LinearStates) -> None:
         units = torch.cat([state.ssm[j][0].reshape(-1, self.d_v)[rows] for j, rows in enumerate(self.local_rows)])
         units = units.float().reshape(self.units, self.unit_elems)

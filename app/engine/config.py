@@ -62,6 +62,8 @@ class EngineConfig:
     checkpoint_budget_mb: float | None = knob(64.0, "checkpoint pool budget in MiB (unused when checkpoint_slots "
                                                     "is set)")
     checkpoint_slots: int | None = knob(None, "size the checkpoint pool by usable slots instead of a budget", ge=0)
+    host_mb: float = knob(0.0, "host tier in MiB: checkpoints the pools evict are kept in host memory with their "
+                               "prefix's KV, and loaded back on a hit (0: off)", ge=0)
     interval: int = knob(0, "checkpoint every N aligned tokens in prefill and decode (0: only prompt ends, branch "
                             "points and generation ends)", ge=0)
     lookback: int = knob(0, "also checkpoint each prompt at least this many tokens before its prompt-end "

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from app.cache.checkpoint import CheckpointCodec, CheckpointPool, DenseCodec
+from app.cache.host_tier import HostTier
 from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVSlots
 from app.cache.prefix_cache import PrefixCache
@@ -43,7 +44,9 @@ class Engine:
         cfg = cfg or EngineConfig()
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.worker = worker or Worker(model, cfg, codec)
-        self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg))
+        host = HostTier(int(cfg.host_mb * 2**20)) if cfg.host_mb > 0 else None
+        self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg), host,
+                                 self.worker, _layout(cfg), self.worker.kv.bytes_per_token)
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
         self.checkpoints = Checkpointing(cfg, self.cache, self.worker, self.scheduler)
@@ -83,6 +86,7 @@ class Engine:
             self.worker.configure_checkpoints(new)
             self.cache.checkpoints = self._pool()
             self.cache.select = self._select(new)
+            self.cache.set_layout(_layout(new))
         else:
             self.worker.set_policy(new.policy)
         self.cfg = self.scheduler.cfg = self.checkpoints.cfg = new
@@ -292,6 +296,13 @@ def _generator(seed: int | None, index: int) -> torch.Generator | None:
     """Sample `index`'s generator: seed + index taken modulo 2**64, the range `manual_seed` takes (which maps a
     negative seed s to s + 2**64 itself), so that no seed a request may carry overflows it."""
     return None if seed is None else torch.Generator().manual_seed((seed + index) % 2**64)
+
+
+def _layout(cfg: EngineConfig) -> tuple:
+    """What stored checkpoint bytes mean (the host tier never loads an entry of another): the codec's settings,
+    without the pool's size."""
+    c = cfg.checkpoint_settings
+    return (c.w_max, c.quant, c.layout, c.selector)
 
 
 def _model_len(model: HybridForCausalLM) -> int:

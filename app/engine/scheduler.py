@@ -163,6 +163,8 @@ class Scheduler:
         salt = seq.params.cache_salt
         # a lossy checkpoint is loaded `tail` tokens further back, so that the units it omitted are rebuilt
         match = self.cache.match(tokens, max(0, limit - self.cfg.tail), salt) if use_cache else None
+        if match is not None and match.host_len:  # a deeper checkpoint waits in the host tier: back to the pools
+            match = self.cache.promote(tokens, max(0, limit - self.cfg.tail), salt, match)
         hit = match is not None and match.checkpoint_node is not None
         seq.state_slot = self.states.alloc(1)[0]
         if hit:

@@ -127,7 +127,22 @@ class Telemetry:
             "spec_accepted_tokens": self.spec_accepted,
             "spec_verifies": self.spec_verifies,
             "spec_accepted_per_verify": dict(sorted(self.spec_accepted_hist.items())),
+            **tier_fields("host", cache.host),
         }
+
+
+def tier_fields(name: str, tier) -> dict:
+    """A cache tier's flat snapshot fields (`<name>_tier_*`; none when the tier is off): entries and bytes held
+    by kind, running totals of hits (promotions, and the few that found no room to load), demotions,
+    promotions, the prefill tokens promotions saved, evictions and layout drops, and the measured load cost."""
+    if tier is None:
+        return {}
+    s = tier.stats()
+    return {f"{name}_tier_{k}": v for k, v in (
+        ("entries", s["entries"]), ("state_bytes", s["state_bytes"]), ("kv_bytes", s["kv_bytes"]),
+        ("budget_bytes", s["budget_bytes"]), ("hits", s["promotions"] + s["failed"]),
+        ("demotions", s["demotions"]), ("promotions", s["promotions"]), ("promoted_tokens", s["promoted_tokens"]),
+        ("evictions", s["evictions"]), ("layout_drops", s["layout_drops"]), ("load_s_per_byte", s["load_s_per_byte"]))}
 
 
 def _quantile(xs: list[float], q: float) -> float | None:

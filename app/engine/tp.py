@@ -44,7 +44,7 @@ from app.models.shard import check_divisible, shard_model
 from app.models.tokenizer import Tokenizer
 
 VERBS = ("run", "store", "store_snapshot", "load", "zero", "copy_state", "refresh", "configure_checkpoints",
-         "set_policy", "rollback")
+         "set_policy", "rollback", "demote", "promote_kv", "promote_state", "host_drop")
 COLLECTIVE_TIMEOUT_S = 60.0  # default of env DASC_TP_TIMEOUT_S, read when a group starts
 START_TIMEOUT_S = 1800.0  # a rank loading a large checkpoint from disk may take minutes; it is watched meanwhile
 JOIN_TIMEOUT_S = 10.0

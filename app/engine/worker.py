@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from app.cache.checkpoint import CheckpointCodec, DenseCodec, physical_slots
+from app.cache.host_store import HostStore
 from app.cache.pools import KVStorage, PagedKV, StateStorage
 from app.dasc.codec import DascCodec
 from app.dasc.horizons import model_geometry, model_horizons
@@ -73,6 +74,7 @@ class Worker:
         # verify pieces of the last run, by state slot: per linear layer, what `rollback` rebuilds a state from
         self.verifying: dict[int, list] = {}
         self.spec_rollback = cfg.spec_rollback
+        self.host = HostStore(self.device)  # the host tier's bytes of this worker's shard (app/cache/host_tier.py)
 
     def _allocate(self, cfg: EngineConfig, codec: CheckpointCodec | None) -> None:
         fixed = cfg.decode_graphs or cfg.compile_decode  # asked for: refused where they cannot run
@@ -138,6 +140,29 @@ class Worker:
 
     def zero(self, state_slot: int) -> None:
         self.states.zero(state_slot)
+
+    # ------------------------------------------------------------------ host tier
+    def demote(self, entry_id: int, ckpt_slot: int, kv_slots: torch.Tensor) -> None:
+        """Copy checkpoint `ckpt_slot`, as stored, and the KV rows of `kv_slots` (its prefix's tokens, in order)
+        to the host tier as `entry_id`."""
+        index = kv_slots.to(self.device)
+        self.host.put(entry_id, self.codec.export(ckpt_slot),
+                      {layer: t.index_select(0, index) for layer, t in self.kv.storage.items()})
+
+    def promote_kv(self, entry_id: int, start: int, kv_slots: torch.Tensor) -> None:
+        """Write host entry `entry_id`'s KV rows from its token `start` on into `kv_slots`."""
+        _, kv = self.host.get(entry_id)
+        index = kv_slots.to(self.device)
+        for layer, t in self.kv.storage.items():
+            t.index_copy_(0, index, kv[layer][start:].to(self.device, non_blocking=True))
+
+    def promote_state(self, entry_id: int, ckpt_slot: int) -> None:
+        """Write host entry `entry_id`'s checkpoint into pool slot `ckpt_slot`, bit for bit."""
+        rows, _ = self.host.get(entry_id)
+        self.codec.import_rows(ckpt_slot, [r.to(self.device, non_blocking=True) for r in rows])
+
+    def host_drop(self, entry_ids: list[int]) -> None:
+        self.host.drop(entry_ids)
 
     def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
         """Store the state the last run captured `offset` tokens into `state_slot`'s piece (or, for a verify

@@ -1,12 +1,14 @@
 """The router's hints, priced by its cost model (`routing_policy.predict` and `rank` with a `Hint`, and the
 router's memory of prompt_cache_keys): a Responses continuation goes to the replica that served the stored
 response unless the queue there costs more than the prefix saves, a stale hint counts only where the stored
-prompt's KV still is, and requests sharing a prompt_cache_key stay on one replica until its queue costs more than
-the key's credit."""
+prompt's KV still is, requests sharing a prompt_cache_key stay on one replica until its queue costs more than
+the key's credit, and a host-tier entry deeper than the pools counts with its load cost."""
 
 from __future__ import annotations
 
-from app.cache.digest import block_hashes
+from dataclasses import replace
+
+from app.cache.digest import block_hashes, checkpoint_mark
 from deployments.routing_policy import Candidate, Hint, RouterKnobs, RouterMemory, predict, rank
 from tests.deployments.test_router_memory import _Clock
 
@@ -68,3 +70,26 @@ def test_the_router_remembers_where_it_sent_a_key_for_remember_s_beside_the_keys
     clock.now = 111.0
     assert memory.candidate("a", None, None).keys == frozenset()
     assert memory.candidate("b", {"version": 1, "keys": [7, 9]}, None).keys == {7, 9}
+
+
+def test_a_host_tier_entry_counts_where_it_lies_deeper_than_the_pools_with_its_load_cost():
+    """A replica whose host tier holds the prompt's first 300 tokens (100 kB) resumes there after loading them:
+    at its measured 1 GB/s that costs 0.1 ms and wins over a cold peer; at 1 MB/s (0.1 s) it still wins over
+    prefilling 300 tokens (0.3 s at 1 ms a token), and at 10 kB/s (10 s) it loses. Pool marks as deep win."""
+    h, r, tail = checkpoint_mark(PROMPT[:300], 4)
+    host = {h: ((r, tail, 100_000),)}
+    fast = Candidate("b", host_marks=host, host_s_per_byte=1e-9)
+    p = predict(fast, CHAIN, PROMPT, KNOBS)
+    assert p.checkpointed == 300 and abs(p.ttft_s - (100 * 1e-3 + 1e-4)) < 1e-9
+    assert rank([Candidate("a"), fast], CHAIN, PROMPT, KNOBS)[0] == ["b"]
+    assert rank([Candidate("a"), replace(fast, host_s_per_byte=1e-6)], CHAIN, PROMPT, KNOBS)[0] == ["b"]
+    assert rank([Candidate("a"), replace(fast, host_s_per_byte=1e-4)], CHAIN, PROMPT, KNOBS)[0] == ["a"]
+    pooled = replace(fast, marks={h: ((r, tail),)}, host_s_per_byte=1e-4)  # the pools hold it too: no load
+    assert predict(pooled, CHAIN, PROMPT, KNOBS).ttft_s == 100 * 1e-3
+
+
+def test_the_router_reads_host_marks_from_the_stats():
+    memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
+    h, r, tail = checkpoint_mark(PROMPT[:300], 4)
+    c = memory.candidate("a", {"version": 1, "host_marks": [(h, r, tail, 5000)], "host_s_per_byte": 2e-9}, None)
+    assert c.host_marks == {h: ((r, tail, 5000),)} and c.host_s_per_byte == 2e-9

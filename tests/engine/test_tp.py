@@ -105,3 +105,23 @@ def test_tp2_speculative_decoding_equals_tp1_plain():
         assert again.output_ids == one.generate([prompts[0] + plain[0]], params)[0][0].output_ids
     finally:
         two.tp_group.close()
+
+
+def test_tp2_host_tier_round_trip_answers_as_tp1():
+    """The host tier under TP=2 (each rank demotes and promotes its own shard's bytes through the broadcast verbs):
+    a prompt the one-slot pool let go of resumes from the tier, placed dasc included, and answers as TP=1 does."""
+    cfg = EngineConfig(checkpoint_slots=1, w_max=16, max_running=4, kv_slots=4096, host_mb=32.0)
+    one = build_engine("kda-tiny", cfg, 1)
+    first, second, *_ = _prompts(one.tokenizer)
+
+    def replay(engine):
+        outs = [engine.generate([p], GREEDY)[0][0] for p in (first, second, first)]
+        engine.check_integrity()
+        return [(o.output_ids, o.cached_tokens) for o in outs], engine.snapshot()["host_tier_promotions"]
+
+    two = build_engine("kda-tiny", cfg, 2, "balanced")
+    try:
+        answers, promotions = replay(two)
+        assert (answers, promotions) == replay(one) and answers[2][1] == len(first) - 1 - cfg.tail and promotions
+    finally:
+        two.tp_group.close()

@@ -1,0 +1,50 @@
+"""The bytes of the host tier on one worker (`app/cache/host_tier.py` keeps the bookkeeping): per entry id, the
+codec's storage rows of one checkpoint slot and the KV rows of its tokens, per attention layer, copied as they
+are (bit-exact). On CUDA they live in pinned host memory: a demotion clones its rows on the compute stream and
+copies them to the host on a side stream, overlapping the compute that follows; a promotion waits for that copy
+and copies back asynchronously (the caching host allocator keeps pinned memory until its copies finish). On CPU
+a copy is a memcpy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostStore:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.pinned else None
+        self.entries: dict[int, tuple[list[torch.Tensor], dict[int, torch.Tensor]]] = {}
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of `t` (pinned and filled asynchronously on CUDA)."""
+        if not self.pinned:
+            return t.to("cpu", copy=True)
+        src = t.clone()  # on the compute stream: the slot it came from may be reused at once
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            out.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        return out
+
+    def put(self, entry_id: int, state_rows: list[torch.Tensor], kv_rows: dict[int, torch.Tensor]) -> None:
+        """Keep copies of one checkpoint slot's storage rows and of its tokens' KV rows (device tensors)."""
+        self.entries[entry_id] = ([self._host(r) for r in state_rows],
+                                  {layer: self._host(r) for layer, r in kv_rows.items()})
+
+    def get(self, entry_id: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # its copies to host are done
+        return self.entries[entry_id]
+
+    def drop(self, entry_ids: list[int]) -> None:
+        for i in entry_ids:
+            self.entries.pop(i, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for rows, kv in self.entries.values()
+                   for t in [*rows, *kv.values()])

@@ -1,0 +1,172 @@
+"""Cache tiers benchmark: `python -m loadtest.bench_tiers [--out docs/benchmarks.md]` (about 15 minutes on 2 cores).
+
+The paper's reuse-distance replay (appendix C.2: phases of distinct prompts whose number shrinks; per phase an
+untimed cache fill of its prompts, then a timed replay of them in a seeded shuffled order; one output token) with
+prompts of 1-3k tokens, on one in-process engine (kda-tiny, eager), requests one at a time. Only replay requests
+enter the figures, as in the paper. The pools (checkpoint slots and KV slots) are sized so that the largest phase's
+working set is --ratios times what they hold (4 and 16). Arms, each on a fresh engine:
+- no tier: the pools alone;
+- host: a host tier of 4x the pools' bytes (at 4x the working set fits pools + host);
+- ceiling: pools that hold every prompt of the replay.
+Each runs with dense checkpoints and with dasc nr-W16, the dasc host tier given the dense arm's bytes (so it holds
+more states per byte, though on the zoo a long prompt's KV outweighs its state).
+
+Reported per arm as medians over --seeds, over the replay requests: the hit rate (cached over prompt tokens), mean
+and p90 TTFT (from adding the request to its first token), the host tier's entries and bytes by kind at the end,
+and the time its promotions took against the prefill they saved (promoted tokens at the no-tier arm's measured
+prefill seconds per token). Results: loadtest/results/bench_tiers_cpu.json; --out DOC replaces the block in DOC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from app.engine.config import EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import SamplingParams
+from app.models.loader import load_model, resolve_model_dir
+from app.models.tokenizer import Tokenizer
+from loadtest.common import start_run, table
+from loadtest.sections import publish
+from loadtest.workloads import text_block
+
+PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+CODECS = {"dense": {}, "dasc nr-W16": {"w_max": 16.0, "policy": "nr"}}
+
+
+def replay(tok: Tokenizer, seed: int, phases: tuple[int, ...], lo: int, hi: int) -> tuple[list, list]:
+    """(the requests in order as (prompt, timed), each phase's distinct prompts): prompts of `lo`-`hi` tokens; per
+    phase its fill (untimed, in order), then its replay (timed, shuffled)."""
+    rng = random.Random(seed)
+    order, distinct = [], []
+    for p, size in enumerate(phases):
+        prompts = [tok.encode(text_block(rng, f"s{seed}p{p}i{i}", hi // 8))[: rng.randint(lo, hi)] for i in range(size)]
+        walk = list(prompts)
+        rng.shuffle(walk)
+        order += [(q, False) for q in prompts] + [(q, True) for q in walk]
+        distinct.append(prompts)
+    return order, distinct
+
+
+def sizes(distinct: list, ratio: float | None, margin: int) -> dict:
+    """Pool knobs holding 1/ratio of the largest phase's working set (None: every prompt of the replay)."""
+    if ratio is None:
+        return {"checkpoint_slots": sum(len(p) for p in distinct) + 4,
+                "kv_slots": sum(len(t) for p in distinct for t in p) + margin}
+    largest = max(distinct, key=lambda p: sum(map(len, p)))
+    return {"checkpoint_slots": max(1, round(len(largest) / ratio)),
+            "kv_slots": max(round(sum(map(len, largest)) / ratio), margin)}
+
+
+def serve(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    """(TTFT in seconds, cached tokens) of one request run alone."""
+    t0 = time.perf_counter()
+    engine.add_request(prompt, PARAMS)
+    ttft, cached = None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if ttft is None and out.new_token_ids:
+                ttft, cached = time.perf_counter() - t0, out.cached_tokens
+    return ttft, cached
+
+
+def run_arm(model, tok, order: list, knobs: dict) -> dict:
+    engine = Engine(model, tok, EngineConfig(compile_decode=False, compile_prefill=False, **knobs))
+    ttfts, cached, prompt_tokens = [], 0, 0
+    for prompt, timed in order:
+        t, c = serve(engine, prompt)
+        if timed:
+            ttfts.append(t)
+            cached, prompt_tokens = cached + c, prompt_tokens + len(prompt)
+    engine.check_integrity()
+    snap = engine.snapshot()
+    host = engine.cache.host
+    out = {"hit_rate": cached / prompt_tokens, "ttft_mean_ms": statistics.fmean(ttfts) * 1e3,
+           "ttft_p90_ms": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] * 1e3,
+           "prefill_s_per_token": sum(ttfts) / max(1, prompt_tokens - cached),
+           "pool_bytes": snap["checkpoint_bytes_allocated"] + knobs["kv_slots"] * engine.worker.kv.bytes_per_token,
+           "state_bytes_per_slot": snap["checkpoint_bytes_per_slot"]}
+    if host is not None:
+        s = host.stats()
+        out.update(host_entries=s["entries"], host_state_mb=s["state_bytes"] / 2**20, host_kv_mb=s["kv_bytes"] / 2**20,
+                   promotions=s["promotions"], promoted_tokens=s["promoted_tokens"], demotions=s["demotions"],
+                   promotion_s=host.counters.load_s, host_mb=knobs["host_mb"])
+    return out
+
+
+def run_seed(model, tok, seed: int, args) -> dict:
+    order, distinct = replay(tok, seed, tuple(args.phases), args.min_tokens, args.max_tokens)
+    margin = args.max_tokens + 64
+    rows = {}
+    for ratio in args.ratios:
+        pools = sizes(distinct, ratio, margin)
+        dense_host_mb = None
+        for codec, cknobs in CODECS.items():
+            base = run_arm(model, tok, order, {**pools, **cknobs})
+            rows[f"{ratio}x/{codec}/no tier"] = base
+            host_mb = dense_host_mb or 4 * base["pool_bytes"] / 2**20
+            dense_host_mb = dense_host_mb or host_mb
+            host = run_arm(model, tok, order, {**pools, **cknobs, "host_mb": host_mb})
+            host["recompute_saved_s"] = host["promoted_tokens"] * base["prefill_s_per_token"]
+            rows[f"{ratio}x/{codec}/host"] = host
+            if ratio == args.ratios[0]:
+                rows[f"{ratio}x/{codec}/ceiling"] = run_arm(model, tok, order, {**sizes(distinct, None, margin),
+                                                                                 **cknobs})
+            print(seed, ratio, codec, {k: round(v["hit_rate"], 3) for k, v in rows.items()}, flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="kda-tiny")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--phases", type=int, nargs="+", default=[24, 12, 6])
+    p.add_argument("--ratios", type=float, nargs="+", default=[4.0, 16.0])
+    p.add_argument("--min-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=3000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    record = start_run("bench_tiers", {k: v for k, v in vars(args).items() if k != "out"}, argv)
+    model_dir = resolve_model_dir(args.model)
+    model, tok = load_model(model_dir, torch.float32), Tokenizer.from_dir(model_dir)
+    seeds = [run_seed(model, tok, seed, args) for seed in args.seeds]
+    arms = list(seeds[0])
+    med = {a: {k: statistics.median(s[a][k] for s in seeds) for k in seeds[0][a]} for a in arms}
+    rows = []
+    for a in arms:
+        m = med[a]
+        rows.append([a, m["hit_rate"], m["ttft_mean_ms"], m["ttft_p90_ms"], m.get("host_entries", "-"),
+                     m.get("host_state_mb", "-"), m.get("host_kv_mb", "-"), m.get("promotions", "-"),
+                     m.get("promotion_s", "-"), m.get("recompute_saved_s", "-")])
+    md = table(["ratio/codec/arm", "hit rate", "TTFT mean ms", "TTFT p90 ms", "host entries", "host state MB",
+                "host KV MB", "promotions", "promotion s", "recompute saved s"], rows)
+    lines = []
+    for ratio in args.ratios:
+        for codec in CODECS:
+            host, base = med[f"{ratio}x/{codec}/host"], med[f"{ratio}x/{codec}/no tier"]
+            ceiling = med.get(f"{args.ratios[0]}x/{codec}/ceiling")
+            per_seed = statistics.median(s[f"{ratio}x/{codec}/host"]["ttft_mean_ms"]
+                                         / s[f"{ratio}x/{codec}/no tier"]["ttft_mean_ms"] for s in seeds)
+            against = (f" and {ceiling['hit_rate']:.3f} at the ceiling ({host['hit_rate'] / ceiling['hit_rate']:.2f}x)"
+                       if ceiling else "")
+            lines.append(f"- {ratio:g}x, {codec}: the host tier ({host['host_mb']:.1f} MiB) reaches hit rate "
+                         f"{host['hit_rate']:.3f} against {base['hit_rate']:.3f} without it{against}"
+                         + f"; mean TTFT {per_seed:.2f}x no tier's (median of per-seed ratios); promotions took "
+                         f"{host['promotion_s']:.2f} s for {host['recompute_saved_s']:.1f} s of prefill saved.")
+    states = {codec: med[f"{args.ratios[0]}x/{codec}/host"] for codec in CODECS}
+    md += "\n\n" + "\n".join(lines) + "\n\nStates per host byte (at the first ratio, same host bytes): " + ", ".join(
+        f"{codec} {s['host_entries']:.0f} entries in {s['host_state_mb'] + s['host_kv_mb']:.1f} MB "
+        f"({s['host_state_mb']:.1f} MB state, {s['host_kv_mb']:.1f} MB KV)" for codec, s in states.items()) + ".\n"
+    publish(record, args.model, {"seeds": seeds, "medians": med}, md, args.out,
+            "Cache tiers: the host tier under the reuse-distance replay")
+
+
+if __name__ == "__main__":
+    main()
