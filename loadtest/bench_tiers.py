@@ -55,8 +55,8 @@ def replay(tok: Tokenizer, seed: int, phases: tuple[int, ...], lo: int, hi: int)
 
 def sizes(distinct: list, ratio: float | None, margin: int) -> dict:
     """Pool knobs holding 1/ratio of the largest phase's working set (None: every prompt of the replay)."""
-    if ratio is None:
-        return {"checkpoint_slots": sum(len(p) for p in distinct) + 4,
+    if ratio is None:  # two checkpoints a prompt: its end, and (under a recompute tail) its generation end
+        return {"checkpoint_slots": 2 * sum(len(p) for p in distinct) + 4,
                 "kv_slots": sum(len(t) for p in distinct for t in p) + margin}
     largest = max(distinct, key=lambda p: sum(map(len, p)))
     return {"checkpoint_slots": max(1, round(len(largest) / ratio)),
