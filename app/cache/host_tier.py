@@ -5,7 +5,10 @@ This is the bookkeeping (which entries exist, for which salt, prefix and codec l
 first); each worker holds the bytes of its own shard under the same entry ids (`app/cache/host_store.py`).
 
 - An entry is a checkpoint's state, in the bytes the codec stored (a round trip through the tier is bit-exact),
-  plus the attention KV of every token of its prefix: a state without its KV is useless to a hybrid model.
+  plus the attention KV of every token of its prefix: a state without its KV is useless to a hybrid model. The KV
+  of whole `block`-token blocks is shared between entries on one path (a conversation's turns, a prompt's end and
+  its generation end): blocks are keyed by their chained hash (salt-seeded) and counted by the entries that use
+  them, so a path's KV is held once; only the tokens past an entry's last full block are its own.
 - One budget (`EngineConfig.host_mb`) holds states and KV alike. Eviction is by cost, not by fixed shares: an
   entry's value is the prefill a hit saves per byte it holds (its depth over its bytes), aged by greedy-dual
   (GDSF): priority = clock + value, the clock rising to each evicted entry's priority, so that an entry nobody
@@ -32,7 +35,8 @@ class HostEntry:
     tokens: tuple[int, ...]  # the prefix its state follows
     layout: tuple  # the codec layout its state was stored in
     state_bytes: int
-    kv_bytes: int
+    kv_bytes: int  # of its whole prefix (blocks shared with other entries included)
+    blocks: tuple[int, ...] = ()  # chained hashes of its prefix's full blocks, whose KV the tier shares
     kind: str | None = None  # why its checkpoint was stored (prompt_end, branch, ...)
     priority: float = 0.0
     key: tuple = ()  # where the index files it
@@ -45,6 +49,18 @@ class HostEntry:
     @property
     def nbytes(self) -> int:
         return self.state_bytes + self.kv_bytes
+
+
+@dataclass
+class Demotion:
+    """What `admit` decided: the new entry (None: it does not fit), the entries evicted for room and the blocks
+    they alone held (their bytes to drop), and the entry's blocks the tier did not hold yet, as (hash, first token),
+    whose KV the caller copies with the state (the rest it shares)."""
+
+    entry: HostEntry | None
+    evicted: list[HostEntry] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    new_blocks: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -62,9 +78,10 @@ class TierCounters:
 
 
 class HostTier:
-    def __init__(self, budget_bytes: int, block: int = 64) -> None:
-        self.budget_bytes, self.block = budget_bytes, block
+    def __init__(self, budget_bytes: int, kv_bytes_per_token: int, block: int = 64) -> None:
+        self.budget_bytes, self.kv_bytes_per_token, self.block = budget_bytes, kv_bytes_per_token, block
         self.entries: dict[int, HostEntry] = {}
+        self.blocks: dict[int, int] = {}  # block hash -> entries using its KV
         self._index: dict[tuple, list[HostEntry]] = {}  # (chain key, tail length) -> entries
         self._ids = itertools.count(1)
         self._clock = 0.0
@@ -101,38 +118,48 @@ class HostTier:
         return None
 
     # ------------------------------------------------------------------ updates
-    def admit(self, salt: str | None, tokens: list[int], layout: tuple, state_bytes: int, kv_bytes: int,
-              kind: str | None) -> tuple[HostEntry | None, list[HostEntry]]:
-        """File a demoted checkpoint: (the new entry, the entries evicted to make room), or (None, []) when it
-        cannot fit the whole budget. The caller drops the evicted entries' bytes, then writes the new one's."""
-        nbytes = state_bytes + kv_bytes
-        if nbytes > self.budget_bytes or nbytes <= 0:
-            self.counters.skipped += 1
-            return None, []
+    def admit(self, salt: str | None, tokens: list[int], layout: tuple, state_bytes: int,
+              kind: str | None) -> Demotion:
+        """File a demoted checkpoint (`Demotion`). The caller drops the evicted entries' bytes, then writes the new
+        one's state, its new blocks' KV and the KV of its tokens past its last full block."""
         tokens = tuple(tokens)
-        evicted = []
-        while self.used_bytes + nbytes > self.budget_bytes:
+        chain = block_hashes(list(tokens), self.block, salt)
+        block_bytes, own = self.block * self.kv_bytes_per_token, (len(tokens) % self.block) * self.kv_bytes_per_token
+
+        def needed() -> int:
+            return state_bytes + own + block_bytes * sum(1 for h in chain if h not in self.blocks)
+
+        if state_bytes + own + block_bytes * len(chain) > self.budget_bytes or not tokens:
+            self.counters.skipped += 1
+            return Demotion(None)
+        out = Demotion(None)
+        while self.used_bytes + needed() > self.budget_bytes:
             victim = min(self.entries.values(), key=lambda e: (e.priority, e.id))
             self._clock = max(self._clock, victim.priority)
-            self._remove(victim)
+            out.dropped += self._remove(victim)
             self.counters.evictions += 1
-            evicted.append(victim)
-        entry = HostEntry(next(self._ids), salt, tokens, layout, state_bytes, kv_bytes, kind,
-                          key=self._key(salt, tokens, block_hashes(list(tokens), self.block, salt)))
-        entry.priority = self._clock + entry.depth / nbytes
+            out.evicted.append(victim)
+        out.new_blocks = [(h, i * self.block) for i, h in enumerate(chain) if h not in self.blocks]
+        for h in chain:
+            self.blocks[h] = self.blocks.get(h, 0) + 1
+        kv_bytes = len(tokens) * self.kv_bytes_per_token
+        entry = HostEntry(next(self._ids), salt, tokens, layout, state_bytes, kv_bytes, tuple(chain), kind,
+                          key=self._key(salt, tokens, chain))
+        entry.priority = self._clock + entry.depth / entry.nbytes
         self.entries[entry.id] = entry
         self._index.setdefault(entry.key, []).append(entry)
         self.state_bytes += state_bytes
-        self.kv_bytes += kv_bytes
+        self.kv_bytes += own + block_bytes * len(out.new_blocks)
         self.counters.demotions += 1
         if kind is not None:
             self.counters.by_kind[kind] = self.counters.by_kind.get(kind, 0) + 1
-        return entry, evicted
+        out.entry = entry
+        return out
 
-    def take(self, entry: HostEntry) -> None:
+    def take(self, entry: HostEntry) -> list[int]:
         """A hit: the entry leaves the tier before it is loaded back (nothing evicts it meanwhile); `settle` says
-        how that went."""
-        self._remove(entry)
+        how that went. Returns the blocks it alone held: drop their bytes once it is loaded."""
+        return self._remove(entry)
 
     def settle(self, entry: HostEntry, loaded: bool) -> None:
         """A taken entry is back in the pools (`loaded`), or loading it failed (no room): it is gone either way."""
@@ -142,22 +169,31 @@ class HostTier:
         else:
             self.counters.failed += 1
 
-    def drop_layouts(self, keep: tuple) -> list[HostEntry]:
-        """Remove every entry stored in another layout than `keep`; returns them (their bytes to drop)."""
-        stale = [e for e in self.entries.values() if e.layout != keep]
+    def drop_layouts(self, keep: tuple) -> tuple[list[HostEntry], list[int]]:
+        """Remove every entry stored in another layout than `keep`: (them, the blocks only they held)."""
+        stale, dropped = [e for e in self.entries.values() if e.layout != keep], []
         for entry in stale:
-            self._remove(entry)
+            dropped += self._remove(entry)
         self.counters.layout_drops += len(stale)
-        return stale
+        return stale, dropped
 
-    def _remove(self, entry: HostEntry) -> None:
+    def _remove(self, entry: HostEntry) -> list[int]:
+        """Unfile `entry`; returns the blocks no other entry uses (now gone from the bookkeeping)."""
         del self.entries[entry.id]
         bucket = self._index[entry.key]
         bucket.remove(entry)
         if not bucket:
             del self._index[entry.key]
+        freed = []
+        for h in entry.blocks:
+            self.blocks[h] -= 1
+            if not self.blocks[h]:
+                del self.blocks[h]
+                freed.append(h)
         self.state_bytes -= entry.state_bytes
-        self.kv_bytes -= entry.kv_bytes
+        self.kv_bytes -= (entry.depth % self.block) * self.kv_bytes_per_token + len(freed) * self.block * \
+            self.kv_bytes_per_token
+        return freed
 
     def timed(self, entry: HostEntry, seconds: float) -> None:
         """A promotion of `entry` took `seconds`: what the router prices a host hit's load at."""
@@ -185,19 +221,30 @@ class HostTier:
     def stats(self) -> dict:
         c = self.counters
         return {"entries": len(self.entries), "state_bytes": self.state_bytes, "kv_bytes": self.kv_bytes,
+                "kv_blocks": len(self.blocks),
                 "budget_bytes": self.budget_bytes, "demotions": c.demotions, "promotions": c.promotions,
                 "promoted_tokens": c.promoted_tokens, "evictions": c.evictions, "layout_drops": c.layout_drops,
                 "skipped": c.skipped, "failed": c.failed,
                 "load_s_per_byte": self.load_s_per_byte, "demotions_by_kind": dict(c.by_kind)}
 
-    def check_integrity(self, layout: tuple, held: set[int] | None = None) -> None:
-        """Bytes add up and fit the budget, every entry is filed where `find` looks and is of `layout` (the
-        current one), and (`held`: the entry ids a worker holds bytes for) bookkeeping and bytes agree."""
+    def check_integrity(self, layout: tuple, held: set[int] | None = None, held_blocks: set[int] | None = None
+                        ) -> None:
+        """Bytes add up and fit the budget, every block is counted by the entries using it, every entry is filed
+        where `find` looks and is of `layout` (the current one), and (`held`, `held_blocks`: the entry ids and
+        blocks a worker holds bytes for) bookkeeping and bytes agree."""
         assert self.state_bytes == sum(e.state_bytes for e in self.entries.values()), "host state bytes"
-        assert self.kv_bytes == sum(e.kv_bytes for e in self.entries.values()), "host KV bytes"
+        uses: dict[int, int] = {}
+        for e in self.entries.values():
+            for h in e.blocks:
+                uses[h] = uses.get(h, 0) + 1
+        assert uses == self.blocks, "host block counts"
+        own = sum((e.depth % self.block) * self.kv_bytes_per_token for e in self.entries.values())
+        assert self.kv_bytes == own + len(self.blocks) * self.block * self.kv_bytes_per_token, "host KV bytes"
         assert self.used_bytes <= self.budget_bytes, "host tier over its budget"
         filed = [e.id for bucket in self._index.values() for e in bucket]
         assert sorted(filed) == sorted(self.entries), "host index and entries disagree"
         assert all(e.layout == layout for e in self.entries.values()), "host entry of a superseded layout"
         if held is not None:
             assert held == set(self.entries), f"host bytes held for {sorted(held ^ set(self.entries))}"
+        if held_blocks is not None:
+            assert held_blocks == set(self.blocks), "host block bytes held other than the bookkeeping's"

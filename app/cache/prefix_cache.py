@@ -59,7 +59,7 @@ class CacheCounters:
 
 class PrefixCache:
     def __init__(self, kv: KVSlots, checkpoints: CheckpointPool, admission: str = "always", select=lru_select,
-                 host: HostTier | None = None, io=None, layout: tuple = (), kv_bytes_per_token: int = 0):
+                 host: HostTier | None = None, io=None, layout: tuple = ()):
         self.tree = RadixTree(on_drop=self._dropped)
         self.kv = kv
         self.checkpoints = checkpoints
@@ -67,7 +67,7 @@ class PrefixCache:
         self.select = select
         self.second_hit = SecondHitFilter()
         self.counters = CacheCounters()
-        self.host, self.io, self.layout, self.kv_bytes_per_token = host, io, layout, kv_bytes_per_token
+        self.host, self.io, self.layout = host, io, layout
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
@@ -86,12 +86,12 @@ class PrefixCache:
         entry = self.host.find(tokens, limit, salt, self.layout)
         if entry is None:
             return match
-        self.host.take(entry)
+        freed = self.host.take(entry)
         start = time.perf_counter()
         try:
             loaded = self._load_entry(entry, match)
-        finally:
-            self.io.host_drop([entry.id])
+        finally:  # (a demotion while it loaded may have filed some of its blocks again: those stay)
+            self.io.host_drop([entry.id], [h for h in freed if h not in self.host.blocks])
         self.host.settle(entry, loaded)
         if loaded:
             self.host.timed(entry, time.perf_counter() - start)
@@ -241,24 +241,24 @@ class PrefixCache:
     def _demote(self, node: Node) -> None:
         """Copy `node`'s checkpoint and its prefix's KV to the host tier (while both are still in the pools)."""
         salt, tokens = self.tree.path(node)
-        entry, evicted = self.host.admit(salt, tokens, self.layout, self.checkpoints.bytes_per_slot,
-                                         self.kv_bytes_per_token * len(tokens), node.ckpt_kind)
-        if evicted:
-            self.io.host_drop([e.id for e in evicted])
-        if entry is not None:
+        d = self.host.admit(salt, tokens, self.layout, self.checkpoints.bytes_per_slot, node.ckpt_kind)
+        if d.evicted or d.dropped:
+            self.io.host_drop([e.id for e in d.evicted], d.dropped)
+        if d.entry is not None:
             try:
-                self.io.demote(entry.id, node.checkpoint, self.tree.path_kv(node))
+                self.io.demote(d.entry.id, node.checkpoint, self.tree.path_kv(node), list(d.entry.blocks),
+                               d.new_blocks, self.host.block)
             except BaseException:
-                self.host.take(entry)  # never filed without its bytes
+                self.io.host_drop([d.entry.id], self.host.take(d.entry))  # never filed without its bytes
                 raise
 
     def set_layout(self, layout: tuple) -> None:
         """Stored checkpoints are in `layout` from now on: host entries of any other go (their bytes too)."""
         self.layout = layout
         if self.host is not None:
-            stale = self.host.drop_layouts(layout)
+            stale, dropped = self.host.drop_layouts(layout)
             if stale:
-                self.io.host_drop([e.id for e in stale])
+                self.io.host_drop([e.id for e in stale], dropped)
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self, private: list[torch.Tensor] = ()) -> None:
@@ -276,7 +276,8 @@ class PrefixCache:
         assert not set(ckpts) & set(self.checkpoints.allocator.free_ids()), "checkpoint slot both used and free"
         if self.host is not None:
             store = getattr(self.io, "host", None)
-            self.host.check_integrity(self.layout, set(store.entries) if store is not None else None)
+            self.host.check_integrity(self.layout, *((set(store.entries), set(store.blocks)) if store is not None
+                                                     else (None, None)))
 
 
 def _reused_below(node: Node) -> bool:

@@ -44,9 +44,9 @@ class Engine:
         cfg = cfg or EngineConfig()
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.worker = worker or Worker(model, cfg, codec)
-        host = HostTier(int(cfg.host_mb * 2**20)) if cfg.host_mb > 0 else None
+        host = HostTier(int(cfg.host_mb * 2**20), self.worker.kv.bytes_per_token) if cfg.host_mb > 0 else None
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg), host,
-                                 self.worker, _layout(cfg), self.worker.kv.bytes_per_token)
+                                 self.worker, _layout(cfg))
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
         self.checkpoints = Checkpointing(cfg, self.cache, self.worker, self.scheduler)

@@ -142,27 +142,31 @@ class Worker:
         self.states.zero(state_slot)
 
     # ------------------------------------------------------------------ host tier
-    def demote(self, entry_id: int, ckpt_slot: int, kv_slots: torch.Tensor) -> None:
-        """Copy checkpoint `ckpt_slot`, as stored, and the KV rows of `kv_slots` (its prefix's tokens, in order)
-        to the host tier as `entry_id`."""
+    def demote(self, entry_id: int, ckpt_slot: int, kv_slots: torch.Tensor, blocks: list[int],
+               new_blocks: list[tuple[int, int]], block: int) -> None:
+        """Copy checkpoint `ckpt_slot`, as stored, to the host tier as `entry_id`, with the KV rows of `kv_slots`
+        (its prefix's tokens, in order): of its `blocks` (hashes of its full `block`-token blocks) those in
+        `new_blocks` ((hash, first token)), which the tier does not hold yet, and the tokens past the last one."""
         index = kv_slots.to(self.device)
+        own = index[len(blocks) * block:]
+        new = {h: {layer: t.index_select(0, index[at:at + block]) for layer, t in self.kv.storage.items()}
+               for h, at in new_blocks}
         self.host.put(entry_id, self.codec.export(ckpt_slot),
-                      {layer: t.index_select(0, index) for layer, t in self.kv.storage.items()})
+                      {layer: t.index_select(0, own) for layer, t in self.kv.storage.items()}, blocks, new)
 
     def promote_kv(self, entry_id: int, start: int, kv_slots: torch.Tensor) -> None:
         """Write host entry `entry_id`'s KV rows from its token `start` on into `kv_slots`."""
-        _, kv = self.host.get(entry_id)
+        rows = self.host.kv_rows(entry_id, start)
         index = kv_slots.to(self.device)
         for layer, t in self.kv.storage.items():
-            t.index_copy_(0, index, kv[layer][start:].to(self.device, non_blocking=True))
+            t.index_copy_(0, index, rows[layer].to(self.device, non_blocking=True))
 
     def promote_state(self, entry_id: int, ckpt_slot: int) -> None:
         """Write host entry `entry_id`'s checkpoint into pool slot `ckpt_slot`, bit for bit."""
-        rows, _ = self.host.get(entry_id)
-        self.codec.import_rows(ckpt_slot, [r.to(self.device, non_blocking=True) for r in rows])
+        self.codec.import_rows(ckpt_slot, [r.to(self.device, non_blocking=True) for r in self.host.state(entry_id)])
 
-    def host_drop(self, entry_ids: list[int]) -> None:
-        self.host.drop(entry_ids)
+    def host_drop(self, entry_ids: list[int], blocks: list[int] = ()) -> None:
+        self.host.drop(entry_ids, blocks)
 
     def store_snapshot(self, state_slot: int, offset: int, ckpt_slot: int) -> None:
         """Store the state the last run captured `offset` tokens into `state_slot`'s piece (or, for a verify

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from app.cache.digest import block_hashes
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import SamplingParams
@@ -50,8 +51,9 @@ def test_a_round_trip_through_the_tier_is_bit_exact(zoo, codec):
     _ask(engine, prompt)
     node = next(n for n in engine.cache.tree.nodes() if n.checkpoint is not None)
     kv = engine.cache.tree.path_kv(node)
-    worker = engine.worker
-    worker.demote(99, node.checkpoint, kv)
+    worker, block = engine.worker, engine.cache.host.block
+    chain = block_hashes(engine.cache.tree.path(node)[1], block)  # every block new to the tier
+    worker.demote(99, node.checkpoint, kv, chain, [(h, i * block) for i, h in enumerate(chain)], block)
     slot, new_kv = engine.cache.checkpoints.alloc(), engine.cache.alloc_kv(len(kv))
     worker.promote_kv(99, 0, new_kv)
     worker.promote_state(99, slot)
@@ -59,7 +61,7 @@ def test_a_round_trip_through_the_tier_is_bit_exact(zoo, codec):
         assert torch.equal(_bits(a), _bits(b))
     for t in worker.kv.storage.values():
         assert torch.equal(_bits(t[kv]), _bits(t[new_kv]))
-    worker.host_drop([99])
+    worker.host_drop([99], chain)
     engine.cache.checkpoints.free(slot)
     engine.cache.free_kv(new_kv)
     engine.check_integrity()
@@ -139,3 +141,17 @@ def test_a_promotion_locks_only_the_kv_it_shares(zoo):
     again = _ask(engine, first)
     assert again.cached_tokens == len(first) - 1 and again.output_ids == cold.output_ids
     engine.check_integrity()
+
+
+def test_blocks_a_promotion_files_again_while_it_loads_stay(zoo):
+    """Regression: a promotion that made room by demoting a checkpoint on its own path (dasc-nr stores a prompt's
+    end and its generation end on one path) filed the blocks it had freed again, then dropped their bytes: the
+    bookkeeping held blocks the worker no longer had."""
+    model, tok = zoo
+    engine = Engine(model, tok, EngineConfig(checkpoint_slots=1, w_max=16.0, **BASE))
+    base = _prompts(tok, 1)[0][:300]
+    first, second = base + tok.encode("x = 1\n"), base + tok.encode("y = 2\n")
+    for prompt in (first, second, first, second):
+        _ask(engine, prompt)
+        engine.check_integrity()
+    assert engine.snapshot()["host_tier_promotions"] >= 1
