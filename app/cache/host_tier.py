@@ -134,6 +134,9 @@ class HostTier:
             return Demotion(None)
         out = Demotion(None)
         while self.used_bytes + needed() > self.budget_bytes:
+            if not self.entries:  # what is left is an entry being loaded: no room until it is released
+                self.counters.skipped += 1
+                return out
             victim = min(self.entries.values(), key=lambda e: (e.priority, e.id))
             self._clock = max(self._clock, victim.priority)
             out.dropped += self._remove(victim)
@@ -156,10 +159,15 @@ class HostTier:
         out.entry = entry
         return out
 
-    def take(self, entry: HostEntry) -> list[int]:
-        """A hit: the entry leaves the tier before it is loaded back (nothing evicts it meanwhile); `settle` says
-        how that went. Returns the blocks it alone held: drop their bytes once it is loaded."""
-        return self._remove(entry)
+    def take(self, entry: HostEntry) -> None:
+        """A hit: the entry is unfiled before it is loaded back (nothing finds or evicts it meanwhile), its bytes
+        and blocks still held (a demotion while it loads may evict the entries it shares blocks with); `release`
+        them once it is loaded, and `settle` says how that went."""
+        self._unfile(entry)
+
+    def release(self, entry: HostEntry) -> list[int]:
+        """A taken entry's bytes are no longer needed: returns the blocks no entry uses now (drop their bytes)."""
+        return self._release(entry)
 
     def settle(self, entry: HostEntry, loaded: bool) -> None:
         """A taken entry is back in the pools (`loaded`), or loading it failed (no room): it is gone either way."""
@@ -178,12 +186,18 @@ class HostTier:
         return stale, dropped
 
     def _remove(self, entry: HostEntry) -> list[int]:
-        """Unfile `entry`; returns the blocks no other entry uses (now gone from the bookkeeping)."""
+        """Unfile `entry` and release its bytes; returns the blocks no other entry uses (gone from the books)."""
+        self._unfile(entry)
+        return self._release(entry)
+
+    def _unfile(self, entry: HostEntry) -> None:
         del self.entries[entry.id]
         bucket = self._index[entry.key]
         bucket.remove(entry)
         if not bucket:
             del self._index[entry.key]
+
+    def _release(self, entry: HostEntry) -> list[int]:
         freed = []
         for h in entry.blocks:
             self.blocks[h] -= 1

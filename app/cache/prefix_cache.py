@@ -86,12 +86,12 @@ class PrefixCache:
         entry = self.host.find(tokens, limit, salt, self.layout)
         if entry is None:
             return match
-        freed = self.host.take(entry)
+        self.host.take(entry)
         start = time.perf_counter()
         try:
             loaded = self._load_entry(entry, match)
-        finally:  # (a demotion while it loaded may have filed some of its blocks again: those stay)
-            self.io.host_drop([entry.id], [h for h in freed if h not in self.host.blocks])
+        finally:
+            self.io.host_drop([entry.id], self.host.release(entry))
         self.host.settle(entry, loaded)
         if loaded:
             self.host.timed(entry, time.perf_counter() - start)
@@ -249,7 +249,8 @@ class PrefixCache:
                 self.io.demote(d.entry.id, node.checkpoint, self.tree.path_kv(node), list(d.entry.blocks),
                                d.new_blocks, self.host.block)
             except BaseException:
-                self.io.host_drop([d.entry.id], self.host.take(d.entry))  # never filed without its bytes
+                self.host.take(d.entry)  # never filed without its bytes
+                self.io.host_drop([d.entry.id], self.host.release(d.entry))
                 raise
 
     def set_layout(self, layout: tuple) -> None:

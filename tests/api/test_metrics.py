@@ -147,3 +147,31 @@ def test_prefix_cache_counters_never_decrease_when_replicas_restart_or_leave():
     assert ("dasc:num_requests_running", frozenset({"model_name": "m", "engine": "a"}.items())) in page
     page = metric_samples(m.render({}))
     assert not any(name == "dasc:num_requests_running" for name, _ in page)  # gauges leave with their replica
+
+
+async def test_host_tier_series_show_what_the_engine_holds_and_moved():
+    """A one-slot pool and a host tier: two prompts demote the first one's checkpoint, asking it again promotes it.
+    /metrics shows the tier's entries and bytes by kind as the engine holds them, and its counters as the engine
+    counted them; /status carries the same fields."""
+    model, tok = load_zoo("kda-tiny")
+    local = LocalBackend(Engine(model, tok, replace(CONFIG, checkpoint_slots=1, host_mb=16.0)), model_name="kda-tiny")
+    app = build_api(local, ApiSettings(model_name="kda-tiny", api_key=KEY))
+    prompts = ["\n".join(f"alpha_{i} = {i * 7}" for i in range(40)), "\n".join(f"beta_{i} = {i}" for i in range(40))]
+    try:
+        async with client(app) as http:
+            for prompt in prompts + prompts[:1]:
+                r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers=AUTH)
+                assert r.status_code == 200
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            page = metric_samples((await http.get("/metrics")).text)
+            status = (await http.get("/status", headers=AUTH)).json()["replicas"]["local"]
+        snap = local.engine.snapshot()
+        tier = {**MODEL, "tier": "host"}
+        entries = value(page, "dasc:cache_tier_entries", **tier)
+        assert entries == snap["host_tier_entries"] == status["host_tier_entries"]
+        for kind in ("state", "kv"):
+            assert value(page, "dasc:cache_tier_bytes", **tier, kind=kind) == snap[f"host_tier_{kind}_bytes"] > 0
+        for name in ("demotions", "promotions", "hits", "promoted_tokens"):
+            assert value(page, f"dasc:cache_tier_{name}_total", **tier) == snap[f"host_tier_{name}"] > 0
+    finally:
+        local.engine.shutdown()

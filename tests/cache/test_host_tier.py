@@ -43,8 +43,10 @@ def test_entries_on_one_path_share_their_kv_blocks():
     assert [at for _, at in short.new_blocks] == [0, 16, 32, 48] and tier.kv_bytes == 64
     long = tier.admit(None, PROMPT[:100], DENSE, 10, None)  # two more blocks and 4 tokens of its own
     assert [at for _, at in long.new_blocks] == [64, 80] and tier.kv_bytes == 100
-    assert tier.take(short.entry) == [] and tier.kv_bytes == 100  # its blocks stay: the longer entry uses them
-    assert len(tier.take(long.entry)) == 6 and tier.kv_bytes == 0 and not tier.blocks
+    tier.take(short.entry)
+    assert tier.release(short.entry) == [] and tier.kv_bytes == 100  # its blocks stay: the longer entry uses them
+    tier.take(long.entry)
+    assert len(tier.release(long.entry)) == 6 and tier.kv_bytes == 0 and not tier.blocks
     tier.check_integrity(DENSE, set(), set())
 
 
@@ -74,6 +76,22 @@ def test_integrity_catches_bytes_that_disagree_with_the_bookkeeping():
     with pytest.raises(AssertionError, match="superseded layout"):
         tier.check_integrity(DASC)
     tier.take(entry)
+    tier.release(entry)
     tier.settle(entry, loaded=True)
     assert tier.counters.promotions == 1 and tier.used_bytes == 0
     tier.check_integrity(DENSE, held=set())
+
+
+def test_an_entry_being_loaded_keeps_its_blocks_whatever_is_evicted_meanwhile():
+    """Regression (bench_tiers, KeyError in a promotion): making room for a promotion demotes another checkpoint,
+    whose admission may evict the entries the loading one shares blocks with; those blocks must stay until the
+    loading entry is released."""
+    tier = HostTier(200, 1, block=16)
+    shorter = tier.admit(None, PROMPT[:64], DENSE, 10, None).entry
+    loading = tier.admit(None, PROMPT[:100], DENSE, 10, None).entry
+    tier.take(loading)
+    other = tier.admit(None, PROMPT[150:200], DENSE, 40, None)  # room only without the shorter entry
+    assert other.evicted == [shorter] and not set(other.dropped) & set(loading.blocks) and other.entry
+    assert tier.admit(None, PROMPT[200:300], DENSE, 10, None).entry is None  # no room while it loads
+    assert sorted(tier.release(loading)) == sorted(loading.blocks)
+    tier.check_integrity(DENSE)
