@@ -1,4 +1,4 @@
-"""Cache tiers benchmark: `python -m loadtest.bench_tiers [--out docs/benchmarks.md]` (about 15 minutes on 2 cores).
+"""Cache tiers benchmark: `python -m loadtest.bench_tiers [--out docs/benchmarks.md]` (about 10 minutes on 2 cores).
 
 The paper's reuse-distance replay (appendix C.2: phases of distinct prompts whose number shrinks; per phase an
 untimed cache fill of its prompts, then a timed replay of them in a seeded shuffled order; one output token) with
