@@ -104,6 +104,26 @@ def test_cuda_bfloat16_hits_equal_cold(name):
     assert [o.output_ids for o in hot] == [o.output_ids for o in cold]
 
 
+@pytest.mark.parametrize("codec", [dict(), dict(w_max=16.0, quant="int8")], ids=["dense", "int8"])
+def test_cuda_host_tier_is_pinned_and_answers_as_the_pools(codec, no_tf32):
+    """The host tier on CUDA: entries live in pinned host memory (their copies run on a side stream), and a prompt
+    the one-slot pool let go of resumes from the tier with the answer it got when the pool still held it."""
+    model, tok = load_zoo("kda-tiny")
+    first, second, _ = _prompts(tok)
+    answers = []
+    for host_mb in (0.0, 32.0):
+        engine = Engine(model, tok, EngineConfig(device="cuda", checkpoint_slots=1 if host_mb else 8,
+                                                 host_mb=host_mb, **codec))
+        outs = [engine.generate([p], GREEDY)[0][0] for p in (first, second, first)]
+        answers.append([(o.output_ids, o.cached_tokens) for o in outs])
+        engine.check_integrity()
+    assert answers[1] == answers[0] and answers[1][2][1] > 0
+    store = engine.worker.host
+    assert store.entries and all(t.is_pinned() for rows, own, _ in store.entries.values() for t in [*rows,
+                                                                                                     *own.values()])
+    assert engine.snapshot()["host_tier_promotions"] >= 1
+
+
 def test_cuda_async_streaming_with_forks(no_tf32):
     """The step loop in its own thread on the GPU: n=2 forks the active state; streamed greedy tokens equal
     the synchronous engine's."""
