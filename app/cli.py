@@ -108,7 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TP placement of compressed checkpoints")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.set_defaults(func=_generate)
+    c = sub.add_parser("cache", help="manage a disk tier directory")
+    c.add_argument("action", choices=["purge"], help="purge: remove every entry and temporary file")
+    c.add_argument("dir", help="the disk tier directory (engine.disk_dir)")
+    c.set_defaults(func=_cache, threads=None)
     return parser
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from app.cache.disk_tier import purge
+
+    print(f"removed {purge(args.dir)} files from {args.dir}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,13 @@ reason, that is torn (shorter than it says), corrupted (no magic, a header that 
 add up), unauthenticated (the tag does not match: another secret, or altered bytes), foreign (another model or codec
 fingerprint) or mismatched (another salt, or tokens that do not start the prompt).
 
-Names: `entry_path` files an entry under a directory named by a keyed hash of the fingerprints, the salt and its
-prefix up to its last full block, and a file named by a keyed hash of that and the tokens after it. Both are HMACs
-under the secret, so that neither a salt nor a token sequence can be confirmed from the names offline; a lookup
-computes the directories a prompt's blocks lead to and reads only those. Directories are made 0700 and files 0600;
-a file is written to a temporary name in its directory and renamed into place (atomic on one filesystem), so a
-reader sees a whole file or none.
+Names: `entry_path` files an entry under a directory per model and codec fingerprint (`fingerprint_dir`: a keyed
+hash of both, so entries of an older model or codec are one directory to remove), then a directory named by a keyed
+hash of the salt and its prefix up to its last full block, and a file named by a keyed hash of that and the tokens
+after it. All are HMACs under the secret, so that neither a salt nor a token sequence can be confirmed from the
+names offline; a lookup computes the directories a prompt's blocks lead to and reads only those. Directories are
+made 0700 and files 0600; a file is written to a temporary name in its directory and renamed into place (atomic on
+one filesystem), so a reader sees a whole file or none.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def salt_key(secret: bytes, salt: str | None) -> str:
     return keyed(secret, "salt", salt)
 
 
+def fingerprint_dir(root: Path, secret: bytes, model_fp: str, codec_fp: str) -> Path:
+    """The directory of every entry of one model and codec."""
+    return root / ("fp-" + keyed(secret, "fp", model_fp, codec_fp))
+
+
 def entry_path(root: Path, secret: bytes, model_fp: str, codec_fp: str, salt: str | None, tokens: list[int],
                block: int) -> Path:
     """Where the entry of `tokens` is filed (see the module doc)."""
@@ -67,7 +73,7 @@ def entry_path(root: Path, secret: bytes, model_fp: str, codec_fp: str, salt: st
 
 def block_dir(root: Path, secret: bytes, model_fp: str, codec_fp: str, salt: str | None, prefix: list[int]) -> Path:
     """The directory of the entries whose last full block ends `prefix`."""
-    return root / keyed(secret, "dir", model_fp, codec_fp, salt, prefix)
+    return fingerprint_dir(root, secret, model_fp, codec_fp) / keyed(secret, "dir", model_fp, codec_fp, salt, prefix)
 
 
 def write_entry(path: Path, secret: bytes, header: dict, tensors: dict[str, torch.Tensor]) -> int:

@@ -7,6 +7,11 @@ a background thread and found by key, with no scan of the directory before servi
 - `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, reads
   the entries there (usually one or two) and returns the deepest one that starts the prompt. A file another
   replica removed meanwhile is skipped; a refused one is counted by its reason and skipped.
+- `sweep` (run it off the serving path, e.g. on the writer's schedule) keeps the directory within its bytes and
+  age: it removes the directories of other model or codec fingerprints, then entries past `ttl_s`, then the
+  oldest until the rest fit `budget_bytes`. Files another replica removes meanwhile are skipped.
+- `purge(root)` removes every entry and temporary file under a tier directory, and the directories they leave
+  empty (`python -m app.cli cache purge DIR`); other files are left alone.
 """
 
 from __future__ import annotations
@@ -14,12 +19,21 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from app.cache.disk_format import DiskEntryError, block_dir, entry_path, read_entry, salt_key, write_entry
+from app.cache.disk_format import (
+    DiskEntryError,
+    block_dir,
+    entry_path,
+    fingerprint_dir,
+    read_entry,
+    salt_key,
+    write_entry,
+)
 
 
 @dataclass
@@ -29,6 +43,7 @@ class DiskCounters:
     skipped_writes: dict[str, int] = field(default_factory=dict)  # by reason: full queue, disk errors
     hits: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # refused files by reason
+    swept: dict[str, int] = field(default_factory=dict)  # files removed by `sweep`, by reason
 
 
 class DiskTier:
@@ -105,3 +120,54 @@ class DiskTier:
                 self.counters.hits += 1
                 return best
         return None
+
+    # ------------------------------------------------------------------ retention
+    def sweep(self, budget_bytes: int, ttl_s: float, now: float | None = None) -> None:
+        """Remove other fingerprints' directories, entries older than `ttl_s`, then the oldest beyond
+        `budget_bytes` (see the module doc)."""
+        now = time.time() if now is None else now
+        mine = fingerprint_dir(self.root, self.secret, self.model_fp, self.codec_fp)
+        for other in self.root.glob("fp-*"):
+            if other != mine and other.is_dir():
+                self._count_swept("fingerprint", purge(other))
+        files = []
+        for path in mine.glob("*/*.ckpt"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, path))
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        for mtime, size, path in files:
+            reason = "ttl" if mtime < now - ttl_s else "budget" if total > budget_bytes else None
+            if reason is None:
+                break
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= size
+            self._count_swept(reason, 1)
+
+    def _count_swept(self, reason: str, n: int) -> None:
+        if n:
+            self.counters.swept[reason] = self.counters.swept.get(reason, 0) + n
+
+
+def purge(root: str | Path) -> int:
+    """Remove every entry (`*.ckpt`) and temporary file (`.*.tmp`) under `root` and the directories left empty;
+    returns the files removed. Anything else stays."""
+    root, removed = Path(root), 0
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        try:
+            if path.is_file() and (path.suffix == ".ckpt" or (path.name.startswith(".") and path.suffix == ".tmp")):
+                path.unlink()
+                removed += 1
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        except OSError:
+            continue
+    if root.is_dir() and root.name.startswith("fp-") and not any(root.iterdir()):
+        root.rmdir()
+    return removed

@@ -1,11 +1,17 @@
 """The disk tier's store (app/cache/disk_tier.py): entries written behind and found after a "restart" (a new
 store on the same directory) by key, the deepest first; salts kept apart; refused files counted and skipped; a
-vanished file tolerated; an unwritable directory or a full queue skips writes and costs the caller nothing."""
+vanished file tolerated; an unwritable directory or a full queue skips writes and costs the caller nothing; the
+sweep's retention (other fingerprints, age, bytes) and the purge command."""
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+
 import torch
 
+from app import cli
 from app.cache.disk_tier import DiskTier
 
 SECRET = b"deployment-secret"
@@ -68,3 +74,42 @@ def test_a_file_removed_by_another_replica_is_tolerated(tmp_path):
     for p in tmp_path.rglob("*.ckpt"):
         p.unlink()
     assert tier.find(TOKENS, 300, None) is None and tier.counters.rejected == {}
+
+
+def test_sweep_removes_other_fingerprints_then_expired_then_the_oldest_beyond_the_budget(tmp_path):
+    old = DiskTier(tmp_path, SECRET, "older-model", "codec-fp", block=64)
+    old.put(None, TOKENS[:100], None, _state(0.0))
+    old.flush()
+    tier = _tier(tmp_path)
+    for depth in (100, 150, 200, 250):
+        tier.put(None, TOKENS[:depth], None, _state(depth))
+    tier.flush()
+    mine = {len(_read(p)["tokens"]): p for p in tmp_path.glob("fp-*/*/*.ckpt") if _mine(p)}
+    for depth, path in mine.items():  # written in order of depth, a second apart
+        os.utime(path, (1000.0 + depth, 1000.0 + depth))
+    budget = sum(p.stat().st_size for d, p in mine.items() if d != 100)  # room for all but the oldest
+    tier.sweep(budget_bytes=budget, ttl_s=1e9, now=2000.0)
+    assert tier.counters.swept == {"fingerprint": 1, "budget": 1}
+    assert sorted(len(_read(p)["tokens"]) for p in tmp_path.rglob("*.ckpt")) == [150, 200, 250]
+    tier.sweep(budget_bytes=budget, ttl_s=775.0, now=2000.0)  # written before 1225: the 150- and 200-token ones
+    assert sorted(len(_read(p)["tokens"]) for p in tmp_path.rglob("*.ckpt")) == [250]
+    assert tier.counters.swept["ttl"] == 2
+
+
+def test_purge_removes_entries_and_temporary_files_only(tmp_path, capsys):
+    tier = _tier(tmp_path)
+    tier.put(None, TOKENS[:100], None, _state(1.0))
+    tier.flush()
+    (tmp_path / "notes.txt").write_text("keep me")
+    next(tmp_path.rglob("*.ckpt")).with_name(".x.ckpt.1.2.tmp").write_bytes(b"half")
+    assert cli.main(["cache", "purge", str(tmp_path)]) == 0
+    assert "removed 2 files" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def _read(path):
+    return json.loads(path.read_bytes()[20:20 + struct.unpack("<I", path.read_bytes()[8:12])[0]])
+
+
+def _mine(path) -> bool:
+    return _read(path)["model"] == "model-fp"
