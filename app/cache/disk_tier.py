@@ -7,9 +7,9 @@ a background thread and found by key, with no scan of the directory before servi
 - `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, reads
   the entries there (usually one or two) and returns the deepest one that starts the prompt. A file another
   replica removed meanwhile is skipped; a refused one is counted by its reason and skipped.
-- `sweep` (run it off the serving path, e.g. on the writer's schedule) keeps the directory within its bytes and
-  age: it removes the directories of other model or codec fingerprints, then entries past `ttl_s`, then the
-  oldest until the rest fit `budget_bytes`. Files another replica removes meanwhile are skipped.
+- `sweep` (the writer thread runs it at start and every `sweep_s`, off the serving path) keeps the directory
+  within its bytes and age: entries past `ttl_s` go, then, beyond `budget_bytes`, those of other model or codec
+  fingerprints, then the oldest. Files another replica removes meanwhile are skipped.
 - `purge(root)` removes every entry and temporary file under a tier directory, and the directories they leave
   empty (`python -m app.cli cache purge DIR`); other files are left alone.
 """
@@ -48,9 +48,12 @@ class DiskCounters:
 
 class DiskTier:
     def __init__(self, root: str | Path, secret: bytes, model_fp: str, codec_fp: str, block: int = 64,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, budget_bytes: int | None = None, ttl_s: float = 7 * 24 * 3600.0,
+                 sweep_s: float = 60.0) -> None:
         self.root, self.secret, self.block = Path(root), secret, block
         self.model_fp, self.codec_fp = model_fp, codec_fp
+        self.budget_bytes, self.ttl_s, self.sweep_s = budget_bytes, ttl_s, sweep_s
+        self._swept_at = float("-inf")
         self.counters = DiskCounters()
         self._queue: queue.Queue = queue.Queue(max_queue)
         self._writer = threading.Thread(target=self._write_loop, name="disk-tier-writer", daemon=True)
@@ -74,9 +77,24 @@ class DiskTier:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    def stats(self) -> dict:
+        c = self.counters
+        return {"hits": c.hits, "writes": c.writes, "written_bytes": c.written_bytes, "queued": self.queued,
+                "skipped_writes": dict(c.skipped_writes), "rejected": dict(c.rejected), "swept": dict(c.swept)}
+
     def _write_loop(self) -> None:
         while True:
-            salt, tokens, kind, tensors = self._queue.get()
+            if self.budget_bytes is not None and time.monotonic() - self._swept_at >= self.sweep_s:
+                self._swept_at = time.monotonic()
+                try:
+                    self.sweep(self.budget_bytes, self.ttl_s)
+                except OSError:
+                    pass
+            try:
+                item = self._queue.get(timeout=self.sweep_s)
+            except queue.Empty:
+                continue
+            salt, tokens, kind, tensors = item
             try:
                 path = entry_path(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens, self.block)
                 header = {"model": self.model_fp, "codec": self.codec_fp, "salt": salt_key(self.secret, salt),
@@ -123,26 +141,26 @@ class DiskTier:
 
     # ------------------------------------------------------------------ retention
     def sweep(self, budget_bytes: int, ttl_s: float, now: float | None = None) -> None:
-        """Remove other fingerprints' directories, entries older than `ttl_s`, then the oldest beyond
-        `budget_bytes` (see the module doc)."""
+        """Remove entries older than `ttl_s`, then, while the directory holds more than `budget_bytes`, entries of
+        other model or codec fingerprints (an older model's, or a setting no replica runs any more: other
+        replicas on a shared directory may still use theirs, so they go by budget and age, not at once), then the
+        oldest of this one."""
         now = time.time() if now is None else now
         mine = fingerprint_dir(self.root, self.secret, self.model_fp, self.codec_fp)
-        for other in self.root.glob("fp-*"):
-            if other != mine and other.is_dir():
-                self._count_swept("fingerprint", purge(other))
         files = []
-        for path in mine.glob("*/*.ckpt"):
+        for path in self.root.glob("fp-*/*/*.ckpt"):
             try:
                 st = path.stat()
             except OSError:
                 continue
-            files.append((st.st_mtime, st.st_size, path))
+            files.append((path.parent.parent == mine, st.st_mtime, st.st_size, path))
         files.sort()
-        total = sum(size for _, size, _ in files)
-        for mtime, size, path in files:
-            reason = "ttl" if mtime < now - ttl_s else "budget" if total > budget_bytes else None
+        total = sum(f[2] for f in files)
+        for own, mtime, size, path in files:
+            reason = "ttl" if mtime < now - ttl_s else "budget" if own and total > budget_bytes else \
+                "fingerprint" if total > budget_bytes else None
             if reason is None:
-                break
+                continue
             try:
                 path.unlink()
             except OSError:

@@ -56,6 +56,23 @@ class HostStore:
         return {layer: torch.cat([self.blocks[h][layer] for h in blocks] + [rows])[start:]
                 for layer, rows in own.items()}
 
+    def export(self, entry_id: int) -> dict[str, torch.Tensor]:
+        """The entry as named host tensors (`state.<i>`, and `kv.<layer>` for its whole prefix): what the disk tier
+        writes."""
+        out = {f"state.{i}": r for i, r in enumerate(self.state(entry_id))}
+        return out | {f"kv.{layer}": rows for layer, rows in self.kv_rows(entry_id, 0).items()}
+
+    def adopt(self, entry_id: int, tensors: dict[str, torch.Tensor], blocks: list[int],
+              new_blocks: list[tuple[int, int]], block: int) -> None:
+        """File an entry read back from the disk tier (`export`'s names), its KV split into the blocks the store
+        lacks (`new_blocks`: (hash, first token)) and its own tail."""
+        state = [tensors[f"state.{i}"] for i in range(sum(n.startswith("state.") for n in tensors))]
+        kv = {int(n[3:]): t for n, t in tensors.items() if n.startswith("kv.")}
+        for h, at in new_blocks:
+            self.blocks[h] = {layer: rows[at:at + block].clone() for layer, rows in kv.items()}
+        self.entries[entry_id] = (state, {layer: rows[len(blocks) * block:].clone() for layer, rows in kv.items()},
+                                  list(blocks))
+
     def drop(self, entry_ids: list[int], blocks: list[int] = ()) -> None:
         for i in entry_ids:
             self.entries.pop(i, None)

@@ -68,15 +68,53 @@ class PrefixCache:
         self.second_hit = SecondHitFilter()
         self.counters = CacheCounters()
         self.host, self.io, self.layout = host, io, layout
+        self.disk = None  # the disk tier below the host tier (app/cache/disk_tier.py), set by the engine
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
         res = self.tree.match(tokens, limit, salt=salt)
-        if self.host is not None and self.host.entries:
-            entry = self.host.find(tokens, len(tokens) if limit is None else limit, salt, self.layout)
+        if self.host is not None:
+            limit = len(tokens) if limit is None else limit
+            entry = self.host.find(tokens, limit, salt, self.layout) if self.host.entries else None
+            if (entry is None or entry.depth <= res.checkpoint_len) and self.disk is not None:
+                entry = self._from_disk(tokens, limit, salt, res.checkpoint_len) or entry
             if entry is not None and entry.depth > res.checkpoint_len:
                 res = res._replace(host_len=entry.depth, host_bytes=entry.nbytes)
         return res
+
+    def _from_disk(self, tokens: list[int], limit: int, salt: str | None, below: int) -> HostEntry | None:
+        """File the deepest disk-tier entry the prompt starts with, if deeper than `below` by a block at least, into
+        the host tier (where `promote` takes it from); None if there is none or its tensors do not fit this engine."""
+        if limit - below < self.host.block:
+            return None
+        found = self.disk.find(tokens, limit, salt)
+        if found is None or len(found[0]["tokens"]) <= below or not self._fits(*found):
+            return None
+        header, tensors = found
+        d = self.host.admit(salt, header["tokens"], self.layout, self.checkpoints.bytes_per_slot, header.get("kind"))
+        self._let_go(d)
+        if d.entry is None:
+            return None
+        self.io.host.adopt(d.entry.id, tensors, list(d.entry.blocks), d.new_blocks, self.host.block)
+        return d.entry
+
+    def _fits(self, header: dict, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether a disk entry's tensors have this engine's shapes and dtypes (the fingerprints say they should)."""
+        rows, depth = self.io.codec.export(0), len(header["tokens"])
+        want = {f"state.{i}": (r.shape, r.dtype) for i, r in enumerate(rows)}
+        want |= {f"kv.{layer}": (torch.Size([depth, t.shape[1]]), t.dtype) for layer, t in self.io.kv.storage.items()}
+        ok = {n: (t.shape, t.dtype) for n, t in tensors.items()} == want
+        if not ok:
+            self.disk.counters.rejected["shape"] = self.disk.counters.rejected.get("shape", 0) + 1
+        return ok
+
+    def _let_go(self, d) -> None:
+        """The entries a host-tier admission evicted: written behind to the disk tier (if any), then dropped."""
+        if d.evicted or d.dropped:
+            if self.disk is not None:
+                for e in d.evicted:
+                    self.disk.put(e.salt, list(e.tokens), e.kind, self.io.host.export(e.id))
+            self.io.host_drop([e.id for e in d.evicted], d.dropped)
 
     def promote(self, tokens: list[int], limit: int, salt: str | None, match: MatchResult) -> MatchResult:
         """Load the host entry `match` reports back into the pools (its missing KV into fresh slots of the tree,
@@ -242,8 +280,7 @@ class PrefixCache:
         """Copy `node`'s checkpoint and its prefix's KV to the host tier (while both are still in the pools)."""
         salt, tokens = self.tree.path(node)
         d = self.host.admit(salt, tokens, self.layout, self.checkpoints.bytes_per_slot, node.ckpt_kind)
-        if d.evicted or d.dropped:
-            self.io.host_drop([e.id for e in d.evicted], d.dropped)
+        self._let_go(d)
         if d.entry is not None:
             try:
                 self.io.demote(d.entry.id, node.checkpoint, self.tree.path_kv(node), list(d.entry.blocks),

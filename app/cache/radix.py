@@ -188,6 +188,8 @@ class RadixTree:
 
     def kv_along(self, tokens: list[int], length: int, salt: str | None = None) -> torch.Tensor:
         """The KV slots of the first `length` tokens of `tokens` (which the tree must hold), in order."""
+        if length == 0:  # (the salt may have no root yet)
+            return torch.zeros(0, dtype=torch.long)
         node, pos, parts = self.roots[salt], 0, []
         while pos < length:
             child = node.children[tokens[pos]]

@@ -8,13 +8,17 @@ piece settled: its progress, the checkpoints it passed (app/engine/checkpoints.p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 import time
 from dataclasses import replace
 
 import torch
 
 from app.cache.checkpoint import CheckpointCodec, CheckpointPool, DenseCodec
+from app.cache.disk_tier import DiskTier
+from app.cache.fingerprint import codec_fingerprint, model_fingerprint
 from app.cache.host_tier import HostTier
 from app.cache.policy import FlopAwareSelect, lru_select
 from app.cache.pools import KVSlots
@@ -36,6 +40,8 @@ from app.engine.worker import Worker
 from app.models.hybrid import HybridForCausalLM
 from app.models.tokenizer import Tokenizer
 
+DISK_SECRET_ENV = "DASC_DISK_SECRET"  # the deployment secret that keys and authenticates disk tier entries
+
 
 class Engine:
     def __init__(self, model: HybridForCausalLM, tokenizer: Tokenizer, cfg: EngineConfig | None = None,
@@ -47,6 +53,7 @@ class Engine:
         host = HostTier(int(cfg.host_mb * 2**20), self.worker.kv.bytes_per_token) if cfg.host_mb > 0 else None
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg), host,
                                  self.worker, _layout(cfg))
+        self.cache.disk = self._disk_tier(cfg) if cfg.disk_dir else None
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
         self.checkpoints = Checkpointing(cfg, self.cache, self.worker, self.scheduler)
@@ -73,6 +80,17 @@ class Engine:
             return lru_select
         return FlopAwareSelect(*_flops_per_token(self.model), self.worker.codec.bytes_per_slot, cfg.flop_alpha)
 
+    def _disk_tier(self, cfg: EngineConfig) -> DiskTier:
+        """The disk tier under the host tier (docs/serving.md, "Disk tier"): keyed with the deployment secret."""
+        secret = os.environ.get(DISK_SECRET_ENV)
+        if not secret:
+            raise ValueError(f"disk_dir: set the deployment secret in the environment variable {DISK_SECRET_ENV}")
+        if cfg.host_mb <= 0 or not isinstance(self.worker, Worker):
+            raise ValueError("disk_dir: the disk tier needs a host tier (host_mb > 0) and one worker (tp 1)")
+        self.model_fp = model_fingerprint(self.model, dataclasses.asdict(self.model.config))
+        return DiskTier(cfg.disk_dir, secret.encode(), self.model_fp, _codec_fp(cfg),
+                        budget_bytes=int(cfg.disk_mb * 2**20), ttl_s=cfg.disk_ttl_s)
+
     def retune(self, **changes) -> None:
         """Apply new knobs between steps: flat `EngineConfig` fields (w_max, policy, quant, layout, selector,
         interval, ...).
@@ -91,6 +109,8 @@ class Engine:
             self.worker.set_policy(new.policy)
         self.cfg = self.scheduler.cfg = self.checkpoints.cfg = new
         self.cache.admission = new.admission
+        if self.cache.disk is not None:
+            self.cache.disk.codec_fp = _codec_fp(new)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -278,6 +298,7 @@ class Engine:
             "selector": self.plan.selector, "retained_fraction": self.plan.retained_fraction,
             "compression_ratio": DenseCodec(self.worker.states.template()).bytes_per_slot / self.codec.bytes_per_slot,
             "total_units": dense, "retained_units": self.plan.retained_units}
+        snap["disk_tier"] = None if self.cache.disk is None else self.cache.disk.stats()
         graphs = getattr(self.worker, "graphs", None)
         snap["decode_graphs"] = None if graphs is None else graphs.stats()
         report = getattr(self.worker, "prefill_report", None)
@@ -296,6 +317,10 @@ def _generator(seed: int | None, index: int) -> torch.Generator | None:
     """Sample `index`'s generator: seed + index taken modulo 2**64, the range `manual_seed` takes (which maps a
     negative seed s to s + 2**64 itself), so that no seed a request may carry overflows it."""
     return None if seed is None else torch.Generator().manual_seed((seed + index) % 2**64)
+
+
+def _codec_fp(cfg: EngineConfig) -> str:
+    return codec_fingerprint(cfg.w_max, cfg.policy, cfg.quant, cfg.layout, cfg.selector, cfg.tail)
 
 
 def _layout(cfg: EngineConfig) -> tuple:

@@ -76,7 +76,7 @@ def test_a_file_removed_by_another_replica_is_tolerated(tmp_path):
     assert tier.find(TOKENS, 300, None) is None and tier.counters.rejected == {}
 
 
-def test_sweep_removes_other_fingerprints_then_expired_then_the_oldest_beyond_the_budget(tmp_path):
+def test_sweep_removes_expired_then_other_fingerprints_then_the_oldest_beyond_the_budget(tmp_path):
     old = DiskTier(tmp_path, SECRET, "older-model", "codec-fp", block=64)
     old.put(None, TOKENS[:100], None, _state(0.0))
     old.flush()

@@ -155,3 +155,17 @@ def test_blocks_a_promotion_files_again_while_it_loads_stay(zoo):
         _ask(engine, prompt)
         engine.check_integrity()
     assert engine.snapshot()["host_tier_promotions"] >= 1
+
+
+def test_a_salt_whose_root_was_pruned_still_promotes(zoo):
+    """Regression: once KV eviction emptied a salt's part of the tree its root was pruned, and promoting that salt's
+    entry looked the missing root up (KeyError) instead of starting from no shared KV."""
+    model, tok = zoo
+    engine = Engine(model, tok, EngineConfig(kv_slots=440, **BASE))
+    first, second = _prompts(tok, 2)
+    cold = _ask(engine, first, "tenant-a")
+    _ask(engine, second)  # takes the whole KV pool: tenant-a's root goes with its last node
+    assert "tenant-a" not in engine.cache.tree.roots
+    again = _ask(engine, first, "tenant-a")
+    assert again.cached_tokens == len(first) - 1 and again.output_ids == cold.output_ids
+    engine.check_integrity()
