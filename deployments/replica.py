@@ -135,6 +135,8 @@ class EngineReplica:
             return
         try:
             await engine.drain(self.drain_timeout_s)
+            # a disk tier keeps what the pool and the host tier hold for the next start (no-op without one)
+            await asyncio.to_thread(engine.call, lambda e: e.persist(self.drain_timeout_s))
         except Exception as exc:  # noqa: BLE001 - shutting down regardless
             log.warning("engine drain failed: %r", exc)
         await asyncio.to_thread(engine.shutdown)

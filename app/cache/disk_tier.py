@@ -60,10 +60,13 @@ class DiskTier:
         self._writer.start()
 
     # ------------------------------------------------------------------ write-behind
-    def put(self, salt: str | None, tokens: list[int], kind: str | None, tensors: dict[str, torch.Tensor]) -> bool:
-        """Queue one entry for writing (host tensors, not touched afterwards); False if it was skipped."""
+    def put(self, salt: str | None, tokens: list[int], kind: str | None, tensors: dict[str, torch.Tensor],
+            wait_s: float = 0.0) -> bool:
+        """Queue one entry for writing (host tensors, not touched afterwards), waiting up to `wait_s` for room in
+        the queue (0 on the serving path); False if it was skipped."""
         try:
-            self._queue.put_nowait((salt, list(tokens), kind, tensors))
+            self._queue.put((salt, list(tokens), kind, tensors), timeout=wait_s) if wait_s > 0 else \
+                self._queue.put_nowait((salt, list(tokens), kind, tensors))
         except queue.Full:
             self._skip("queue_full")
             return False

@@ -290,6 +290,30 @@ class PrefixCache:
                 self.io.host_drop([d.entry.id], self.host.release(d.entry))
                 raise
 
+    def persist(self, deadline: float) -> int:
+        """Write every checkpoint the host tier and the pool hold to the disk tier (a graceful stop: they would be
+        lost with the process), the host tier's first, until `deadline` (time.monotonic()); returns how many were
+        queued. Runs between steps."""
+        if self.disk is None:
+            return 0
+        queued = 0
+        for entry in list(self.host.entries.values()):
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return queued
+            queued += self.disk.put(entry.salt, list(entry.tokens), entry.kind, self.io.host.export(entry.id), wait)
+        for node in [n for n in self.tree.nodes() if n.checkpoint is not None]:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return queued
+            salt, tokens = self.tree.path(node)
+            kv = self.tree.path_kv(node).to(self.io.device)
+            rows = self.io.codec.export(node.checkpoint)
+            tensors = {f"state.{i}": r.to("cpu", copy=True) for i, r in enumerate(rows)}
+            tensors |= {f"kv.{layer}": t.index_select(0, kv).cpu() for layer, t in self.io.kv.storage.items()}
+            queued += self.disk.put(salt, tokens, node.ckpt_kind, tensors, wait)
+        return queued
+
     def set_layout(self, layout: tuple) -> None:
         """Stored checkpoints are in `layout` from now on: host entries of any other go (their bytes too)."""
         self.layout = layout

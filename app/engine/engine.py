@@ -91,6 +91,16 @@ class Engine:
         return DiskTier(cfg.disk_dir, secret.encode(), self.model_fp, _codec_fp(cfg),
                         budget_bytes=int(cfg.disk_mb * 2**20), ttl_s=cfg.disk_ttl_s)
 
+    def persist(self, timeout_s: float = 30.0) -> int:
+        """A graceful stop: write what the pool and the host tier hold to the disk tier (if any) and wait for the
+        writes, within `timeout_s`; returns the entries written. Call it between steps, after draining."""
+        if self.cache.disk is None:
+            return 0
+        before = self.cache.disk.counters.writes
+        self.cache.persist(time.monotonic() + timeout_s)
+        self.cache.disk.flush()
+        return self.cache.disk.counters.writes - before
+
     def retune(self, **changes) -> None:
         """Apply new knobs between steps: flat `EngineConfig` fields (w_max, policy, quant, layout, selector,
         interval, ...).

@@ -73,3 +73,17 @@ def test_the_disk_tier_needs_its_secret_and_a_host_tier(zoo, tmp_path, monkeypat
     monkeypatch.setenv(DISK_SECRET_ENV, "s")
     with pytest.raises(ValueError, match="host tier"):
         _engine(zoo, tmp_path, **{"host_mb": 0.0})
+
+
+def test_a_graceful_stop_persists_the_pools_and_the_host_tier_for_the_next_start(zoo, tmp_path, secret):
+    """Without `persist` only what the host tier evicted survives a restart; with it (the replica calls it after
+    draining) every prompt resumes after the restart, with its cold answer."""
+    prompts = _prompts(zoo[1], 4)
+    first = _engine(zoo, tmp_path)
+    cold = [_ask(first, p) for p in prompts]
+    assert first.persist() >= 2
+    again = _engine(zoo, tmp_path)
+    warm = [_ask(again, p) for p in prompts]
+    assert [w.output_ids for w in warm] == [c.output_ids for c in cold]
+    assert all(w.cached_tokens == len(p) - 1 for w, p in zip(warm, prompts))
+    again.check_integrity()
