@@ -35,9 +35,6 @@ class ResponseStoreActor:
     def delete(self, response_id: str, owner: str) -> bool:
         return self.store.delete(response_id, owner)
 
-    def count(self) -> int:
-        return len(self.store)
-
 
 class ActorResponses:
     """The named store actor, through `actors.ActorClient` (re-resolved, or restarted empty, if it died)."""

@@ -78,9 +78,3 @@ class HostStore:
             self.entries.pop(i, None)
         for h in blocks:
             self.blocks.pop(h, None)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [t for rows, own, _ in self.entries.values() for t in [*rows, *own.values()]]
-        tensors += [t for rows in self.blocks.values() for t in rows.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
