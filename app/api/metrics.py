@@ -42,6 +42,13 @@ TIERS = ("host",)
 TIER_COUNTERS = {"hits": "hits: lookups that found a deeper checkpoint there", "demotions": "checkpoints demoted there "
                  "(with their prefix's KV)", "promotions": "entries loaded back into the pools",
                  "promoted_tokens": "prefill tokens those promotions saved", "evictions": "entries evicted for room"}
+# the disk tier: running totals of its /status block, its counts by reason, and what it holds now
+DISK_COUNTERS = {"writes": "entries written behind", "written_bytes": "bytes written behind"}
+DISK_REASONS = {"rejected": "files refused (torn, corrupted, unauthenticated, foreign, mismatched, shape)",
+                "skipped_writes": "entries not written (a full queue, a full or unwritable disk)"}
+DISK_GAUGES = {"queued": ("queue_length", "entries waiting to be written behind"),
+               "stored_files": ("files", "files in the directory (at the last sweep, plus writes since)"),
+               "stored_bytes": ("bytes", "bytes in the directory (at the last sweep, plus writes since)")}
 ACCEPTED_BUCKETS = tuple(float(a) for a in range(17))  # accepted drafts per verify piece: 0 .. MAX_SPEC_TOKENS
 ENGINE_GAUGES = {
     "hit_rate": "token-weighted prefix cache hit rate (cached prompt tokens / prompt tokens)",
@@ -119,6 +126,13 @@ class ApiMetrics:
                                 tier_labels + ("kind",), registry=r)
         self.tier_counters = {k: Counter(f"dasc:cache_tier_{k}", f"Cache tier {doc}.", tier_labels, registry=r)
                               for k, doc in TIER_COUNTERS.items()}
+        # the disk tier (app/cache/disk_tier.py; /status `disk_tier`): hits count under `dasc:cache_tier_hits`
+        self.disk_counters = {k: Counter(f"dasc:disk_tier_{k}", f"Disk tier {doc}.", LABELS, registry=r)
+                              for k, doc in DISK_COUNTERS.items()}
+        self.disk_reasons = {k: Counter(f"dasc:disk_tier_{k}", f"Disk tier {doc}, by reason.", LABELS + ("reason",),
+                                        registry=r) for k, doc in DISK_REASONS.items()}
+        self.disk_gauges = {k: Gauge(f"dasc:disk_tier_{name}", f"Disk tier {doc}.", LABELS, registry=r)
+                            for k, (name, doc) in DISK_GAUGES.items()}
         self._totals: dict[str, dict] = {}  # per replica ever seen: its last snapshot running totals
 
     def meter(self, n: int, stream: bool = True) -> GenerationMeter:
@@ -133,6 +147,8 @@ class ApiMetrics:
                 _remove(gauge, gone)
             _remove(self.num_requests_running, self.model_name, gone)
             _remove(self.num_requests_waiting, self.model_name, gone)
+            for gauge in self.disk_gauges.values():
+                _remove(gauge, self.model_name, gone)
             for tier in TIERS:
                 _remove(self.tier_entries, self.model_name, gone, tier)
                 for kind in ("state", "kv"):
@@ -167,6 +183,21 @@ class ApiMetrics:
                 self.tier_bytes.labels(self.model_name, replica, tier, kind).set(snap[f"{tier}_tier_{kind}_bytes"])
             counters += [(f"{tier}_tier_{k}", c.labels(self.model_name, replica, tier))
                          for k, c in self.tier_counters.items()]
+        disk = snap.get("disk_tier")
+        if isinstance(disk, dict):
+            flat = {"disk_tier.hits": disk.get("hits")}
+            counters.append(("disk_tier.hits", self.tier_counters["hits"].labels(self.model_name, replica, "disk")))
+            for k, c in self.disk_counters.items():
+                flat[f"disk_tier.{k}"] = disk.get(k)
+                counters.append((f"disk_tier.{k}", c.labels(self.model_name, replica)))
+            for k, c in self.disk_reasons.items():
+                for reason, n in (disk.get(k) or {}).items():
+                    flat[f"disk_tier.{k}.{reason}"] = n
+                    counters.append((f"disk_tier.{k}.{reason}", c.labels(self.model_name, replica, reason)))
+            for k, g in self.disk_gauges.items():
+                if isinstance(disk.get(k), int):
+                    g.labels(self.model_name, replica).set(disk[k])
+            snap = {**snap, **flat}
         for key, counter in counters:
             total = snap.get(key)
             if not isinstance(total, int):

@@ -44,6 +44,8 @@ class DiskCounters:
     hits: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # refused files by reason
     swept: dict[str, int] = field(default_factory=dict)  # files removed by `sweep`, by reason
+    stored_files: int = 0  # in the directory, as of the last sweep plus the writes since (all replicas' files)
+    stored_bytes: int = 0
 
 
 class DiskTier:
@@ -83,6 +85,7 @@ class DiskTier:
     def stats(self) -> dict:
         c = self.counters
         return {"hits": c.hits, "writes": c.writes, "written_bytes": c.written_bytes, "queued": self.queued,
+                "stored_files": c.stored_files, "stored_bytes": c.stored_bytes,
                 "skipped_writes": dict(c.skipped_writes), "rejected": dict(c.rejected), "swept": dict(c.swept)}
 
     def _write_loop(self) -> None:
@@ -102,8 +105,11 @@ class DiskTier:
                 path = entry_path(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens, self.block)
                 header = {"model": self.model_fp, "codec": self.codec_fp, "salt": salt_key(self.secret, salt),
                           "tokens": tokens, "kind": kind}
-                self.counters.written_bytes += write_entry(path, self.secret, header, tensors)
+                size = write_entry(path, self.secret, header, tensors)
+                self.counters.written_bytes += size
                 self.counters.writes += 1
+                self.counters.stored_files, self.counters.stored_bytes = (self.counters.stored_files + 1,
+                                                                          self.counters.stored_bytes + size)
             except OSError as e:  # a full or unwritable disk: the entry is not kept, nothing else happens
                 self._skip(os.strerror(e.errno) if e.errno else type(e).__name__)
             finally:
@@ -113,10 +119,12 @@ class DiskTier:
         self.counters.skipped_writes[reason] = self.counters.skipped_writes.get(reason, 0) + 1
 
     # ------------------------------------------------------------------ lookups
-    def find(self, tokens: list[int], limit: int, salt: str | None) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        """(header, tensors) of the deepest entry of `salt` that starts `tokens`, at most `limit` deep."""
+    def find(self, tokens: list[int], limit: int, salt: str | None, above: int = 0
+             ) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """(header, tensors) of the deepest entry of `salt` that starts `tokens`, at most `limit` and more than
+        `above` deep (directories holding only shallower entries are not read)."""
         key = salt_key(self.secret, salt)
-        for k in range(min(limit, len(tokens)) // self.block, -1, -1):
+        for k in range(min(limit, len(tokens)) // self.block, (above + 1) // self.block - 1, -1):
             folder = block_dir(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens[: k * self.block])
             try:
                 names = sorted(p for p in os.listdir(folder) if p.endswith(".ckpt"))
@@ -135,7 +143,7 @@ class DiskTier:
                 except OSError:
                     continue
                 depth = len(header["tokens"])
-                if depth <= limit and (best is None or depth > len(best[0]["tokens"])):
+                if above < depth <= limit and (best is None or depth > len(best[0]["tokens"])):
                     best = (header, tensors)
             if best is not None:
                 self.counters.hits += 1
@@ -158,7 +166,7 @@ class DiskTier:
                 continue
             files.append((path.parent.parent == mine, st.st_mtime, st.st_size, path))
         files.sort()
-        total = sum(f[2] for f in files)
+        total, files_left = sum(f[2] for f in files), len(files)
         for own, mtime, size, path in files:
             reason = "ttl" if mtime < now - ttl_s else "budget" if own and total > budget_bytes else \
                 "fingerprint" if total > budget_bytes else None
@@ -169,7 +177,9 @@ class DiskTier:
             except OSError:
                 continue
             total -= size
+            files_left -= 1
             self._count_swept(reason, 1)
+        self.counters.stored_files, self.counters.stored_bytes = files_left, total
 
     def _count_swept(self, reason: str, n: int) -> None:
         if n:

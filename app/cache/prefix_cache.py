@@ -14,6 +14,11 @@ demoted there with its prefix's KV instead of lost, and `match` reports a deeper
 with (`host_len`, `host_bytes`), which `promote` loads back into the pools before the request is admitted. `io`
 moves the bytes (the worker's `demote`, `promote_kv`, `promote_state`, `host_drop`); `layout` names the codec
 layout stored checkpoints are in, so that no entry of another layout is ever loaded.
+
+With a disk tier (`disk`, app/cache/disk_tier.py) below, entries the host tier evicts are written behind, and
+`match` looks on disk when the host tier has nothing deeper: a disk entry is filed into the host tier, then promoted
+like any other. With the host tier off (`staging`), the host tier is only a staging area: a demoted entry is queued
+for the disk at once and leaves it.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class PrefixCache:
         self.counters = CacheCounters()
         self.host, self.io, self.layout = host, io, layout
         self.disk = None  # the disk tier below the host tier (app/cache/disk_tier.py), set by the engine
+        self.staging = False  # True: `host` only stages entries on their way to and from the disk tier
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
@@ -87,8 +93,8 @@ class PrefixCache:
         the host tier (where `promote` takes it from); None if there is none or its tensors do not fit this engine."""
         if limit - below < self.host.block:
             return None
-        found = self.disk.find(tokens, limit, salt)
-        if found is None or len(found[0]["tokens"]) <= below or not self._fits(*found):
+        found = self.disk.find(tokens, limit, salt, above=below)
+        if found is None or not self._fits(*found):
             return None
         header, tensors = found
         d = self.host.admit(salt, header["tokens"], self.layout, self.checkpoints.bytes_per_slot, header.get("kind"))
@@ -289,6 +295,10 @@ class PrefixCache:
                 self.host.take(d.entry)  # never filed without its bytes
                 self.io.host_drop([d.entry.id], self.host.release(d.entry))
                 raise
+            if self.staging:  # no host tier of its own: straight on to the disk tier
+                self.disk.put(d.entry.salt, list(d.entry.tokens), d.entry.kind, self.io.host.export(d.entry.id))
+                self.host.take(d.entry)
+                self.io.host_drop([d.entry.id], self.host.release(d.entry))
 
     def persist(self, deadline: float) -> int:
         """Write every checkpoint the host tier and the pool hold to the disk tier (a graceful stop: they would be

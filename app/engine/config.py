@@ -64,9 +64,9 @@ class EngineConfig:
     checkpoint_slots: int | None = knob(None, "size the checkpoint pool by usable slots instead of a budget", ge=0)
     host_mb: float = knob(0.0, "host tier in MiB: checkpoints the pools evict are kept in host memory with their "
                                "prefix's KV, and loaded back on a hit (0: off)", ge=0)
-    disk_dir: str | None = knob(None, "disk tier directory: entries the host tier evicts are written there behind "
-                                      "the serving path and found again after a restart (needs host_mb > 0, one "
-                                      "worker, and the secret in DASC_DISK_SECRET; unset: off)")
+    disk_dir: str | None = knob(None, "disk tier directory: entries the host tier evicts (with host_mb 0, those the "
+                                      "pools evict) are written there behind the serving path and found again after "
+                                      "a restart (needs one worker and the secret in DASC_DISK_SECRET; unset: off)")
     disk_mb: float = knob(4096.0, "disk tier budget in MiB (the oldest entries go beyond it)", ge=0)
     disk_ttl_s: float = knob(7 * 24 * 3600.0, "disk tier entries older than this are removed", ge=0)
     interval: int = knob(0, "checkpoint every N aligned tokens in prefill and decode (0: only prompt ends, branch "

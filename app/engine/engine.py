@@ -50,10 +50,12 @@ class Engine:
         cfg = cfg or EngineConfig()
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.worker = worker or Worker(model, cfg, codec)
-        host = HostTier(int(cfg.host_mb * 2**20), self.worker.kv.bytes_per_token) if cfg.host_mb > 0 else None
+        host = HostTier(self._host_bytes(cfg, model), self.worker.kv.bytes_per_token) if cfg.host_mb > 0 or \
+            cfg.disk_dir else None
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg), host,
                                  self.worker, _layout(cfg))
         self.cache.disk = self._disk_tier(cfg) if cfg.disk_dir else None
+        self.cache.staging = bool(cfg.disk_dir) and cfg.host_mb <= 0
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
         self.checkpoints = Checkpointing(cfg, self.cache, self.worker, self.scheduler)
@@ -80,13 +82,21 @@ class Engine:
             return lru_select
         return FlopAwareSelect(*_flops_per_token(self.model), self.worker.codec.bytes_per_slot, cfg.flop_alpha)
 
+    def _host_bytes(self, cfg: EngineConfig, model: HybridForCausalLM) -> int:
+        """The host tier's budget: `host_mb`; with the host tier off and a disk tier on, a staging area that entries
+        pass through between the pools and the disk: two entries at the longest prefix the KV pool holds."""
+        if cfg.host_mb > 0:
+            return int(cfg.host_mb * 2**20)
+        longest = min(cfg.kv_slots, cfg.max_model_len or _model_len(model))
+        return 2 * (longest * self.worker.kv.bytes_per_token + self.worker.codec.bytes_per_slot)
+
     def _disk_tier(self, cfg: EngineConfig) -> DiskTier:
         """The disk tier under the host tier (docs/serving.md, "Disk tier"): keyed with the deployment secret."""
         secret = os.environ.get(DISK_SECRET_ENV)
         if not secret:
             raise ValueError(f"disk_dir: set the deployment secret in the environment variable {DISK_SECRET_ENV}")
-        if cfg.host_mb <= 0 or not isinstance(self.worker, Worker):
-            raise ValueError("disk_dir: the disk tier needs a host tier (host_mb > 0) and one worker (tp 1)")
+        if not isinstance(self.worker, Worker):
+            raise ValueError("disk_dir: the disk tier runs with one worker (tp 1)")
         self.model_fp = model_fingerprint(self.model, dataclasses.asdict(self.model.config))
         return DiskTier(cfg.disk_dir, secret.encode(), self.model_fp, _codec_fp(cfg),
                         budget_bytes=int(cfg.disk_mb * 2**20), ttl_s=cfg.disk_ttl_s)

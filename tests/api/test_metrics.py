@@ -12,7 +12,7 @@ import pytest
 from app.api.local import LocalBackend
 from app.api.metrics import ApiMetrics
 from app.api.routes import ApiSettings, build_api
-from app.engine.engine import Engine
+from app.engine.engine import DISK_SECRET_ENV, Engine
 from tests.api.common import AUTH, KEY, client, sse_events
 from tests.api.conftest import CONFIG
 from tests.helpers import load_zoo, metric_samples
@@ -173,5 +173,38 @@ async def test_host_tier_series_show_what_the_engine_holds_and_moved():
             assert value(page, "dasc:cache_tier_bytes", **tier, kind=kind) == snap[f"host_tier_{kind}_bytes"] > 0
         for name in ("demotions", "promotions", "hits", "promoted_tokens"):
             assert value(page, f"dasc:cache_tier_{name}_total", **tier) == snap[f"host_tier_{name}"] > 0
+    finally:
+        local.engine.shutdown()
+
+
+async def test_disk_tier_series_show_its_writes_hits_rejections_and_queue(tmp_path, monkeypatch):
+    """The host tier off and a one-slot pool: each prompt's checkpoint goes to disk when the next one evicts it,
+    asking the first again is a disk hit; a file damaged meanwhile is refused. /metrics counts what /status shows."""
+    monkeypatch.setenv(DISK_SECRET_ENV, "metrics-secret")
+    model, tok = load_zoo("kda-tiny")
+    engine = Engine(model, tok, replace(CONFIG, checkpoint_slots=1, disk_dir=str(tmp_path)))
+    local = LocalBackend(engine, model_name="kda-tiny")
+    app = build_api(local, ApiSettings(model_name="kda-tiny", api_key=KEY))
+    prompts = ["\n".join(f"{name}_{i} = {i * 7}" for i in range(40)) for name in ("alpha", "beta", "gamma")]
+    try:
+        async with client(app) as http:
+            for prompt in prompts:
+                r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers=AUTH)
+                assert r.status_code == 200
+            engine.cache.disk.flush()
+            files = sorted(tmp_path.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+            files[-1].write_bytes(files[-1].read_bytes()[:100])  # the latest (beta's): torn
+            for prompt in prompts[:2]:
+                r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers=AUTH)
+            page = metric_samples((await http.get("/metrics")).text)
+            status = (await http.get("/status", headers=AUTH)).json()["replicas"]["local"]["disk_tier"]
+        assert status == engine.snapshot()["disk_tier"] | {"queued": status["queued"]}
+        assert status["hits"] >= 1 and status["writes"] >= 2 and status["rejected"] == {"torn": 1}
+        assert value(page, "dasc:cache_tier_hits_total", **MODEL, tier="disk") == status["hits"]
+        assert value(page, "dasc:disk_tier_writes_total", **MODEL) == status["writes"]
+        assert value(page, "dasc:disk_tier_written_bytes_total", **MODEL) == status["written_bytes"] > 0
+        assert value(page, "dasc:disk_tier_rejected_total", **MODEL, reason="torn") == 1
+        assert value(page, "dasc:disk_tier_queue_length", **MODEL) == status["queued"]
+        assert value(page, "dasc:disk_tier_files", **MODEL) >= 2
     finally:
         local.engine.shutdown()

@@ -1,11 +1,18 @@
-"""The disk tier under the host tier in a real engine (kda-tiny): entries the host tier evicts are written behind,
-and a new engine on the same directory and secret (a restart) resumes from them with the cold answer; another salt
-never does; a damaged file is ignored; the engine refuses a disk tier without its secret or a host tier."""
+"""The disk tier under the host tier in a real engine (kda-tiny): entries the host tier evicts (with the host tier
+off, those the pools evict) are written behind, and a new engine on the same directory and secret (a restart)
+resumes from them with the cold answer; another salt never does; a torn, corrupted, unauthenticated, foreign or
+mismatched file is ignored and the answer is cold; a full or unwritable directory leaves the answers as they are
+without a disk tier; the engine refuses a disk tier without its secret."""
 
 from __future__ import annotations
 
+import errno
+import shutil
+
 import pytest
 
+from app.cache import disk_tier
+from app.cache.disk_format import read_entry, salt_key, write_entry
 from app.engine.config import EngineConfig
 from app.engine.engine import DISK_SECRET_ENV, Engine
 from app.engine.request import SamplingParams
@@ -51,28 +58,99 @@ def test_a_restarted_engine_resumes_from_the_disk_tier_as_cold(zoo, tmp_path, se
     again.check_integrity()
 
 
-def test_a_damaged_file_is_ignored_and_the_answer_is_cold(zoo, tmp_path, secret):
+def _torn(path, secret, engine):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _corrupted(path, secret, engine):
+    path.write_bytes(b"NOTMAGIC" + path.read_bytes()[8:])
+
+
+def _unauthenticated(path, secret, engine):
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _rewritten(**changes):
+    """A file rewritten, authenticated under the secret, with its header changed (another model's, another
+    salt's or other tokens' entry where this one's name leads)."""
+    def damage(path, secret, engine):
+        disk = engine.cache.disk
+        header, tensors = read_entry(path, secret, disk.model_fp, disk.codec_fp, salt_key(secret, None))
+        write_entry(path, secret, {**header, **{k: v(header) for k, v in changes.items()}}, tensors)
+    return damage
+
+
+DAMAGES = {"torn": _torn, "corrupted": _corrupted, "unauthenticated": _unauthenticated,
+           "foreign": _rewritten(model=lambda h: "another model"),
+           "mismatched": _rewritten(salt=lambda h: salt_key(b"test-deployment-secret", "another tenant")),
+           "mismatched tokens": _rewritten(tokens=lambda h: [t + 1 for t in h["tokens"]])}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_file_is_ignored_and_the_answer_is_cold(zoo, tmp_path, secret, damage):
     prompts = _prompts(zoo[1], 4)
     first = _engine(zoo, tmp_path)
     cold = [_ask(first, p) for p in prompts]
-    first.cache.disk.flush()
+    assert first.persist() >= 2
     for path in tmp_path.rglob("*.ckpt"):
-        data = bytearray(path.read_bytes())
-        data[-100] ^= 0xFF
-        path.write_bytes(bytes(data))
+        DAMAGES[damage](path, b"test-deployment-secret", first)
     again = _engine(zoo, tmp_path)
-    out = _ask(again, prompts[0])
-    assert out.cached_tokens == 0 and out.output_ids == cold[0].output_ids
-    assert again.snapshot()["disk_tier"]["rejected"].get("unauthenticated", 0) >= 1
+    out = [_ask(again, p) for p in prompts]
+    assert [o.output_ids for o in out] == [c.output_ids for c in cold]
+    assert all(o.cached_tokens == 0 for o in out)
+    assert again.snapshot()["disk_tier"]["rejected"].get(damage.split()[0], 0) >= 1
+    again.check_integrity()
 
 
-def test_the_disk_tier_needs_its_secret_and_a_host_tier(zoo, tmp_path, monkeypatch):
+def test_with_the_host_tier_off_the_pools_evictions_are_written_behind(zoo, tmp_path, secret):
+    """host_mb 0: entries the pools evict pass through a small staging area to disk; after a restart they resume."""
+    prompts = _prompts(zoo[1], 4)
+    first = _engine(zoo, tmp_path, host_mb=0.0)
+    cold = [_ask(first, p) for p in prompts]
+    first.cache.disk.flush()
+    assert first.snapshot()["disk_tier"]["writes"] >= 1
+    again = _engine(zoo, tmp_path, host_mb=0.0)
+    warm = _ask(again, prompts[0])
+    assert warm.cached_tokens == len(prompts[0]) - 1 and warm.output_ids == cold[0].output_ids
+    again.check_integrity()
+
+
+def _full_disk(monkeypatch, tmp_path):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(disk_tier, "write_entry", no_space)
+
+
+def _unwritable(monkeypatch, tmp_path):
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    tmp_path.write_text("a file where the directory was")  # every mkdir under it fails
+
+
+@pytest.mark.parametrize("fault", [_full_disk, _unwritable], ids=["full", "unwritable"])
+def test_a_full_or_unwritable_directory_leaves_requests_unaffected(zoo, tmp_path, secret, monkeypatch, fault):
+    """The fault strikes while serving: every write is skipped and counted, and the answers (and what was cached)
+    are those of the same engine without a disk tier."""
+    prompts = _prompts(zoo[1], 4)
+    plain = _engine(zoo, tmp_path, disk_dir=None)
+    want = [(o.output_ids, o.cached_tokens) for o in (_ask(plain, p) for p in prompts + prompts)]
+    root = tmp_path / "tier"
+    engine = _engine(zoo, root)
+    got = [_ask(engine, p) for p in prompts[:1]]
+    fault(monkeypatch, root)
+    got += [_ask(engine, p) for p in prompts[1:] + prompts]
+    engine.persist(timeout_s=5.0)
+    assert [(o.output_ids, o.cached_tokens) for o in got] == want
+    disk = engine.snapshot()["disk_tier"]
+    assert disk["writes"] == 0 and sum(disk["skipped_writes"].values()) >= 2
+    engine.check_integrity()
+
+
+def test_the_disk_tier_needs_its_secret(zoo, tmp_path, monkeypatch):
     monkeypatch.delenv(DISK_SECRET_ENV, raising=False)
     with pytest.raises(ValueError, match=DISK_SECRET_ENV):
         _engine(zoo, tmp_path)
-    monkeypatch.setenv(DISK_SECRET_ENV, "s")
-    with pytest.raises(ValueError, match="host tier"):
-        _engine(zoo, tmp_path, **{"host_mb": 0.0})
 
 
 def test_a_graceful_stop_persists_the_pools_and_the_host_tier_for_the_next_start(zoo, tmp_path, secret):
