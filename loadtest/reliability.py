@@ -2,7 +2,8 @@
 (`make reliability` runs every scenario with `--out docs/reliability.md`, within 30 minutes on 2 cores).
 
 Without `--url`, the suite starts its own Ray Serve apps on loopback (configs/config.yaml with the controller
-not tuning, so greedy outputs are comparable; configs/tp2.yaml; a two-node cluster) and runs each scenario
+not tuning, so greedy outputs are comparable; configs/tp2.yaml; a two-node cluster; the main app with a disk
+tier, and with one smaller than an entry) and runs each scenario
 against the app it needs. With `--url` (e.g. `python -m app.api.local --port 8123`) it runs the scenarios that
 need only HTTP against that server and skips the rest. Every scenario is bounded in requests and in time, prints
 its figures and criteria, saves them (loadtest/results/reliability/reliability_cpu.json, one variant per
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from loadtest.common import RESULTS, start_run, table
-from loadtest.faults import catalogue, fuzz, load
+from loadtest.faults import catalogue, disk, fuzz, load
 from loadtest.faults.client import Outcome, Target
 from loadtest.sections import publish
 
@@ -31,7 +32,7 @@ class Scenario:
     name: str
     title: str
     run: object  # (Target, SimpleNamespace) -> Outcome
-    app: str  # "http" (any server), "main" (the Ray app), "tp" (configs/tp2.yaml), "two_node"
+    app: str  # "http" (any server), "main" (the Ray app), "tp" (configs/tp2.yaml), "two_node", "disk", "disk_tiny"
     opts: dict
     short: dict  # --short overrides (a quick pass, not the issue's figures)
 
@@ -66,6 +67,13 @@ SCENARIOS = {s.name: s for s in [
              {"concurrency": 4, "recover_s": 60.0, "timeout_s": 60.0}, {}),
     Scenario("two_node", "Two-node failover", _cluster_run("two_node_failover"), "two_node",
              {"concurrency": 4, "recover_s": 30.0, "timeout_s": 30.0}, {}),
+    Scenario("disk_corrupted", "Disk tier files corrupted while serving", disk.corrupted, "disk",
+             {"concurrency": 16, "duration_s": 45.0, "every_s": 0.3, "settle_s": 3.0, "timeout_s": 120.0},
+             {"duration_s": 20.0}),
+    Scenario("disk_unwritable", "Disk tier directory becomes unwritable", disk.unwritable, "disk",
+             {"concurrency": 16, "duration_s": 45.0, "settle_s": 3.0, "timeout_s": 120.0}, {"duration_s": 20.0}),
+    Scenario("disk_tiny", "Disk tier smaller than one entry", disk.tiny, "disk_tiny",
+             {"concurrency": 16, "duration_s": 30.0, "settle_s": 3.0, "timeout_s": 120.0}, {"duration_s": 15.0}),
 ]}
 
 
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _groups(chosen: list[Scenario]) -> list[tuple[str, list[Scenario]]]:
     """Scenarios by the app they run against, HTTP-only ones on the main app, in a fixed order."""
-    order = ("main", "tp", "two_node")
+    order = ("main", "tp", "two_node", "disk", "disk_tiny")
     return [(app, [s for s in chosen if (s.app if s.app != "http" else "main") == app]) for app in order
             if any((s.app if s.app != "http" else "main") == app for s in chosen)]
 

@@ -79,7 +79,10 @@ def block_dir(root: Path, secret: bytes, model_fp: str, codec_fp: str, salt: str
 def write_entry(path: Path, secret: bytes, header: dict, tensors: dict[str, torch.Tensor]) -> int:
     """Write one entry atomically (temporary file, then rename; directories 0700, the file 0600); returns its
     bytes. `header` gets the tensors' names, dtypes and shapes and the time."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root, *inner = path.parents[2], path.parents[1], path.parents[0]
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the tier's directory, its fingerprint's, the entry's
+    for folder in inner:
+        folder.mkdir(mode=0o700, exist_ok=True)
     head = {**header, "written": time.time(),
             "tensors": [{"name": n, "dtype": NAMES[t.dtype], "shape": list(t.shape)} for n, t in tensors.items()]}
     text = json.dumps(head, separators=(",", ":")).encode()

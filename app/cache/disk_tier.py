@@ -2,8 +2,8 @@
 a background thread and found by key, with no scan of the directory before serving.
 
 - `put` queues an entry (its tensors on the host) and returns at once; the writer thread writes it. A full or
-  unwritable disk, or a queue already `max_queue` deep (a slow disk), skips the write and counts it: the serving
-  path never waits for the disk.
+  unwritable disk, a queue already `max_queue` deep (a slow disk), or an entry larger than the whole budget skips
+  the write and counts it by reason: the serving path never waits for the disk.
 - `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, reads
   the entries there (usually one or two) and returns the deepest one that starts the prompt. A file another
   replica removed meanwhile is skipped; a refused one is counted by its reason and skipped.
@@ -65,7 +65,10 @@ class DiskTier:
     def put(self, salt: str | None, tokens: list[int], kind: str | None, tensors: dict[str, torch.Tensor],
             wait_s: float = 0.0) -> bool:
         """Queue one entry for writing (host tensors, not touched afterwards), waiting up to `wait_s` for room in
-        the queue (0 on the serving path); False if it was skipped."""
+        the queue (0 on the serving path); False if it was skipped (also when it alone exceeds the budget)."""
+        if self.budget_bytes is not None and sum(t.nbytes for t in tensors.values()) > self.budget_bytes:
+            self._skip("larger_than_budget")
+            return False
         try:
             self._queue.put((salt, list(tokens), kind, tensors), timeout=wait_s) if wait_s > 0 else \
                 self._queue.put_nowait((salt, list(tokens), kind, tensors))

@@ -14,10 +14,13 @@ Replica methods used through `serve.get_deployment_handle("EngineReplica", "dasc
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -111,9 +114,31 @@ def started(app: str, args):
     if not Path(config).exists():
         yield None  # the group's scenarios are reported as skipped
         return
-    cfg = app_args(config, FIXED_SETTING)
-    with serve_app(cfg, num_cpus=max(4, 2 * cfg.get("replicas", 2) * cfg.get("tp_size", 1))) as url:
-        yield Target(url, args.model, cluster=Cluster(cfg))
+    with _disk_dir(app) as disk:
+        cfg = app_args(config, merge(FIXED_SETTING, disk))
+        with serve_app(cfg, num_cpus=max(4, 2 * cfg.get("replicas", 2) * cfg.get("tp_size", 1))) as url:
+            yield Target(url, args.model, cluster=Cluster(cfg))
+
+
+@contextmanager
+def _disk_dir(app: str):
+    """For the disk apps ("disk", "disk_tiny"): the engine knobs of a disk tier in a fresh directory, with a secret
+    for this run in the environment the replicas inherit; removed afterwards. {} for the others."""
+    if app not in ("disk", "disk_tiny"):
+        yield {}
+        return
+    from loadtest.faults import disk
+
+    root = Path(tempfile.mkdtemp(prefix="dasc-disk-tier-"))
+    os.environ[disk.SECRET_ENV] = secrets.token_hex(16)
+    engine = {**disk.DISK_ENGINE, "disk_dir": str(root / "tier")}
+    if app == "disk_tiny":
+        engine["disk_mb"] = disk.TINY_MB
+    try:
+        yield {"engine": engine}
+    finally:
+        os.environ.pop(disk.SECRET_ENV, None)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _under_load(target: Target, o, fault, settle_s: float = 5.0):
@@ -342,8 +367,6 @@ def _cluster_token():
 def _deploy_config(config: str | Path, args: dict, port: int) -> Path:
     """The serve config file `serve deploy` gets: `config` with the app's `args` replaced, its proxy on the head
     only and on `port`; written next to nothing the repo tracks (a temporary file)."""
-    import tempfile
-
     spec = yaml.safe_load(Path(config).read_text())
     spec["proxy_location"] = "HeadOnly"
     spec["http_options"] = {"host": "127.0.0.1", "port": port}

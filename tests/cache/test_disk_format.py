@@ -88,7 +88,9 @@ def test_names_reveal_neither_salt_nor_tokens_and_depend_on_the_secret(tmp_path)
 
 def test_permissions_are_0700_and_0600_and_writes_leave_no_temporary_files(tmp_path):
     path = _write(tmp_path / "tier")
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.parents[2] == tmp_path / "tier"
+    assert [stat.S_IMODE(d.stat().st_mode) for d in path.parents[:3]] == [0o700] * 3  # entry, fingerprint, tier
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 

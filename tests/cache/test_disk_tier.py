@@ -67,6 +67,14 @@ def test_an_unwritable_directory_or_a_full_queue_skips_writes(tmp_path):
     assert full.counters.writes + full.counters.skipped_writes.get("queue_full", 0) == 50
 
 
+def test_an_entry_larger_than_the_whole_budget_is_not_written(tmp_path):
+    tier = _tier(tmp_path, budget_bytes=20)  # _state's tensors: 22 bytes
+    assert not tier.put(None, TOKENS[:100], None, _state(1.0))
+    tier.flush()
+    assert tier.counters.writes == 0 and tier.counters.skipped_writes == {"larger_than_budget": 1}
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
 def test_a_file_removed_by_another_replica_is_tolerated(tmp_path):
     tier = _tier(tmp_path)
     tier.put(None, TOKENS[:200], None, _state(1.0))
