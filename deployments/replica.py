@@ -38,6 +38,9 @@ from deployments.messages import GenerateRequest
 
 log = logging.getLogger("ray.serve")
 SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
+# snapshot blocks a replica reports besides its flat fields: the acceptance histogram's counts (/metrics'
+# spec_decode_acceptance_length) and the disk tier's counters (/metrics' dasc:disk_tier_*)
+REPORTED_BLOCKS = ("spec_accepted_per_verify", "disk_tier")
 KEYS_PUBLISHED = 1024  # the latest prompt_cache_keys (hashed) a replica served, published for the router
 
 
@@ -170,14 +173,18 @@ class EngineReplica:
                   **cache_window(snap, last, self._tail()),
                   # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
                   "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0)}
-        # the flat fields, and the acceptance histogram's counts (/metrics' spec_decode_acceptance_length)
-        flat = {k: v for k, v in snap.items() if not isinstance(v, dict) or k == "spec_accepted_per_verify"}
         running = self._setting()
-        await self._controller.call("report", window, flat, running)
+        await self._controller.call("report", window, reported(snap), running)
         version, setting = await self._controller.call("assignment", self.replica_id, running)
         if setting != running:
             await asyncio.to_thread(self.engine.call, lambda e: e.retune(**setting))
         self._applied_version = version
+
+
+def reported(snap: dict) -> dict:
+    """What a replica reports of its engine snapshot (/status, /metrics): the flat fields, and the blocks that
+    /metrics reads (`REPORTED_BLOCKS`)."""
+    return {k: v for k, v in snap.items() if not isinstance(v, dict) or k in REPORTED_BLOCKS}
 
 
 def cache_window(snap: dict, last: dict, tail: int) -> dict:

@@ -20,14 +20,17 @@ prefill seconds per token). Results: loadtest/results/bench_tiers_cpu.json; --ou
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from app.engine.config import EngineConfig
-from app.engine.engine import Engine
+from app.engine.engine import DISK_SECRET_ENV, Engine
 from app.engine.request import SamplingParams
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
@@ -121,6 +124,127 @@ def run_seed(model, tok, seed: int, args) -> dict:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- the disk tier
+DISK_SECRET = "bench-tiers-secret"  # DASC_DISK_SECRET of the disk arms (a fresh directory each)
+
+
+def _disk_engine(model, tok, root: Path | None, knobs: dict, lookups: bool = True) -> Engine:
+    """An engine with a disk tier in `root` (None: none); `lookups` False: written behind, never read (the
+    cost of the writes alone)."""
+    os.environ[DISK_SECRET_ENV] = DISK_SECRET
+    engine = Engine(model, tok, EngineConfig(compile_decode=False, compile_prefill=False, **knobs,
+                                             **({"disk_dir": str(root)} if root else {})))
+    if root and not lookups:
+        engine.cache.disk.find = lambda *a, **k: None
+    return engine
+
+
+def restart_arm(model, tok, prefixes: list, knobs: dict, mode: str) -> dict:
+    """Each prefix once on one engine, a restart (`mode`: "graceful" persists first, as a replica's stop does;
+    "crash" keeps only what was written behind; "no disk"), each prefix again on a new engine: the second pass's
+    hit rate and mean TTFT, and the first pass's (cold) mean TTFT."""
+    with tempfile.TemporaryDirectory(prefix="bench-tiers-disk-") as tmp:
+        root = None if mode == "no disk" else Path(tmp) / "tier"
+        first = _disk_engine(model, tok, root, knobs)
+        cold = [serve(first, p)[0] for p in prefixes]
+        if mode == "graceful":
+            first.persist()
+        elif root is not None:
+            first.cache.disk.flush()
+        written = first.cache.disk.counters.writes if root else 0
+        del first
+        again = _disk_engine(model, tok, root, knobs)
+        warm = [serve(again, p) for p in prefixes]
+        again.check_integrity()
+    return {"hit_rate": sum(c for _, c in warm) / sum(len(p) for p in prefixes),
+            "resumed": sum(c > 0 for _, c in warm) / len(prefixes), "ttft_mean_ms": statistics.fmean(
+                t for t, _ in warm) * 1e3, "cold_ttft_mean_ms": statistics.fmean(cold) * 1e3, "written": written}
+
+
+def serve_decode(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, float, int]:
+    """(TTFT, decode seconds after the first token, tokens after the first) of one request run alone."""
+    t0 = time.perf_counter()
+    engine.add_request(prompt, params)
+    first = last = None
+    n = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                now = time.perf_counter()
+                first = first or now
+                last, n = now, n + len(out.new_token_ids)
+    return first - t0, last - first, n - 1
+
+
+def cost_arm(model, tok, order: list, knobs: dict, disk: str, decode: int) -> dict:
+    """The reuse-distance replay with `decode` tokens per request: mean TTFT and decode tok/s over its replay
+    requests, with the disk tier off, written behind only ("writes"), or written and read ("on")."""
+    params = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True)
+    with tempfile.TemporaryDirectory(prefix="bench-tiers-disk-") as tmp:
+        engine = _disk_engine(model, tok, None if disk == "off" else Path(tmp) / "tier", knobs, disk == "on")
+        ttfts, decode_s, decoded = [], 0.0, 0
+        for prompt, timed in order:
+            t, d, n = serve_decode(engine, prompt, params)
+            if timed:
+                ttfts.append(t)
+                decode_s, decoded = decode_s + d, decoded + n
+        stats = engine.cache.disk.stats() if engine.cache.disk else {}
+    return {"ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "decode_tok_s": decoded / decode_s,
+            "writes": stats.get("writes", 0), "written_mb": stats.get("written_bytes", 0) / 2**20,
+            "disk_hits": stats.get("hits", 0), "skipped_writes": sum(stats.get("skipped_writes", {}).values())}
+
+
+def run_disk_seed(model, tok, seed: int, args) -> dict:
+    rng = random.Random(seed)
+    prefixes = [tok.encode(text_block(rng, f"restart{seed}i{i}", args.restart_tokens // 4))[: args.restart_tokens]
+                for i in range(args.restart_prefixes)]
+    rows = {}
+    for codec, cknobs in CODECS.items():
+        pools = sizes([prefixes], 4.0, args.restart_tokens + 64)  # the pools hold a quarter of the prefixes
+        for mode in ("no disk", "crash", "graceful"):
+            rows[f"restart/{codec}/{mode}"] = restart_arm(model, tok, prefixes, {**pools, **cknobs}, mode)
+        print(seed, codec, {k: round(v["hit_rate"], 3) for k, v in rows.items()}, flush=True)
+    order, distinct = replay(tok, seed, tuple(args.phases), args.min_tokens, args.max_tokens)
+    pools = sizes(distinct, 4.0, args.max_tokens + 64)
+    arms = ("off", "writes", "on") if seed % 2 else ("on", "writes", "off")  # the order alternates per seed
+    for disk in arms:
+        rows[f"cost/dense/{disk}"] = cost_arm(model, tok, order, pools, disk, args.decode_tokens)
+    print(seed, {k: round(v["ttft_mean_ms"], 1) for k, v in rows.items() if k.startswith("cost")}, flush=True)
+    return rows
+
+
+def report_disk(seeds: list[dict]) -> str:
+    med = {a: {k: statistics.median(s[a][k] for s in seeds) for k in seeds[0][a]} for a in seeds[0]}
+
+    def ratio(a: str, b: str, key: str) -> float:
+        return statistics.median(s[a][key] / s[b][key] for s in seeds)
+
+    rows = [[a.removeprefix("restart/"), m["resumed"], m["hit_rate"], m["ttft_mean_ms"], m["cold_ttft_mean_ms"],
+             m["written"]] for a, m in med.items() if a.startswith("restart/")]
+    md = "Restart: each prefix once, a restart, each again (medians over seeds).\n\n" + table(
+        ["codec/restart", "prefixes resumed", "hit rate", "TTFT mean ms after", "TTFT mean ms cold", "entries written"],
+        rows)
+    rows = [[a.removeprefix("cost/"), m["ttft_mean_ms"], m["decode_tok_s"], m["writes"], m["written_mb"],
+             m["disk_hits"], m["skipped_writes"]] for a, m in med.items() if a.startswith("cost/")]
+    md += "\n\nWrite-behind cost under the reuse-distance replay (host tier off: every checkpoint the pools evict is " \
+          "written).\n\n" + table(["codec/disk tier", "TTFT mean ms", "decode tok/s", "entries written",
+                                     "MB written", "disk hits", "writes skipped"], rows)
+    lines = []
+    for codec in CODECS:
+        g, n = med[f"restart/{codec}/graceful"], med[f"restart/{codec}/no disk"]
+        lines.append(f"- {codec}: after a graceful restart {g['resumed']:.2f} of the prefixes resume from disk "
+                     f"(hit rate {g['hit_rate']:.3f}; without the disk tier {n['resumed']:.2f}); mean TTFT "
+                     f"{ratio(f'restart/{codec}/graceful', f'restart/{codec}/no disk', 'ttft_mean_ms'):.2f}x the "
+                     f"no-disk restart's; after a crash {med[f'restart/{codec}/crash']['resumed']:.2f} resume "
+                     "(what the pools evicted before it).")
+    lines.append(f"- Write-behind alone (entries written, never read) against no disk tier: mean TTFT "
+                 f"{ratio('cost/dense/writes', 'cost/dense/off', 'ttft_mean_ms'):.3f}x, decode tok/s "
+                 f"{ratio('cost/dense/writes', 'cost/dense/off', 'decode_tok_s'):.3f}x; written and read: TTFT "
+                 f"{ratio('cost/dense/on', 'cost/dense/off', 'ttft_mean_ms'):.3f}x, decode tok/s "
+                 f"{ratio('cost/dense/on', 'cost/dense/off', 'decode_tok_s'):.3f}x (medians of per-seed ratios).")
+    return md + "\n\n" + "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
@@ -130,12 +254,22 @@ def main(argv=None) -> None:
     p.add_argument("--min-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=3000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--section", choices=("host", "disk"), default="host")
+    p.add_argument("--restart-prefixes", type=int, default=24)
+    p.add_argument("--restart-tokens", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = start_run("bench_tiers", {k: v for k, v in vars(args).items() if k != "out"}, argv)
     model_dir = resolve_model_dir(args.model)
     model, tok = load_model(model_dir, torch.float32), Tokenizer.from_dir(model_dir)
+    if args.section == "disk":
+        seeds = [run_disk_seed(model, tok, seed, args) for seed in args.seeds]
+        publish(record, f"{args.model}/disk", {"seeds": seeds}, report_disk(seeds), args.out,
+                "Cache tiers: the host tier under the reuse-distance replay",
+                "Disk tier: a restart, and the cost of write-behind")
+        return
     seeds = [run_seed(model, tok, seed, args) for seed in args.seeds]
     arms = list(seeds[0])
     med = {a: {k: statistics.median(s[a][k] for s in seeds) for k in seeds[0][a]} for a in arms}

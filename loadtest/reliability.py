@@ -68,12 +68,12 @@ SCENARIOS = {s.name: s for s in [
     Scenario("two_node", "Two-node failover", _cluster_run("two_node_failover"), "two_node",
              {"concurrency": 4, "recover_s": 30.0, "timeout_s": 30.0}, {}),
     Scenario("disk_corrupted", "Disk tier files corrupted while serving", disk.corrupted, "disk",
-             {"concurrency": 16, "duration_s": 45.0, "every_s": 0.3, "settle_s": 3.0, "timeout_s": 120.0},
+             {"concurrency": 16, "duration_s": 45.0, "every_s": 0.3, "settle_s": 30.0, "timeout_s": 120.0},
              {"duration_s": 20.0}),
     Scenario("disk_unwritable", "Disk tier directory becomes unwritable", disk.unwritable, "disk",
-             {"concurrency": 16, "duration_s": 45.0, "settle_s": 3.0, "timeout_s": 120.0}, {"duration_s": 20.0}),
+             {"concurrency": 16, "duration_s": 45.0, "settle_s": 30.0, "timeout_s": 120.0}, {"duration_s": 20.0}),
     Scenario("disk_tiny", "Disk tier smaller than one entry", disk.tiny, "disk_tiny",
-             {"concurrency": 16, "duration_s": 30.0, "settle_s": 3.0, "timeout_s": 120.0}, {"duration_s": 15.0}),
+             {"concurrency": 16, "duration_s": 30.0, "settle_s": 30.0, "timeout_s": 120.0}, {"duration_s": 15.0}),
 ]}
 
 

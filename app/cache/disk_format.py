@@ -13,10 +13,11 @@ fingerprint) or mismatched (another salt, or tokens that do not start the prompt
 
 Names: `entry_path` files an entry under a directory per model and codec fingerprint (`fingerprint_dir`: a keyed
 hash of both, so entries of an older model or codec are one directory to remove), then a directory named by a keyed
-hash of the salt and its prefix up to its last full block, and a file named by a keyed hash of that and the tokens
-after it. All are HMACs under the secret, so that neither a salt nor a token sequence can be confirmed from the
-names offline; a lookup computes the directories a prompt's blocks lead to and reads only those. Directories are
-made 0700 and files 0600; a file is written to a temporary name in its directory and renamed into place (atomic on
+hash of the salt and its prefix up to its last full block, and a file named by a keyed hash of that directory's name
+and the tokens after it (`entry_name`). All are HMACs under the secret, so that neither a salt nor a token sequence
+can be confirmed from the names offline; a lookup computes the directories a prompt's blocks lead to and the names
+its depths would have there, and reads only those files. Every directory level is made 0700 and files 0600; a file
+is written to a temporary name in its directory and renamed into place (atomic on
 one filesystem), so a reader sees a whole file or none.
 """
 
@@ -67,8 +68,15 @@ def entry_path(root: Path, secret: bytes, model_fp: str, codec_fp: str, salt: st
                block: int) -> Path:
     """Where the entry of `tokens` is filed (see the module doc)."""
     k = len(tokens) // block * block
-    return block_dir(root, secret, model_fp, codec_fp, salt, tokens[:k]) / (
-        keyed(secret, "file", model_fp, codec_fp, salt, tokens) + ".ckpt")
+    folder = block_dir(root, secret, model_fp, codec_fp, salt, tokens[:k])
+    return folder / entry_name(secret, folder.name, tokens[k:])
+
+
+def entry_name(secret: bytes, folder: str, tail: list[int]) -> str:
+    """The file name of the entry whose tokens are its directory's prefix (`folder`: that directory's name, itself
+    keyed over fingerprints, salt and prefix) followed by `tail` (fewer than a block): a lookup computes the names
+    of a prompt's candidate depths and reads only files that exist under one."""
+    return keyed(secret, "file", folder, tail) + ".ckpt"
 
 
 def block_dir(root: Path, secret: bytes, model_fp: str, codec_fp: str, salt: str | None, prefix: list[int]) -> Path:

@@ -4,8 +4,9 @@ a background thread and found by key, with no scan of the directory before servi
 - `put` queues an entry (its tensors on the host) and returns at once; the writer thread writes it. A full or
   unwritable disk, a queue already `max_queue` deep (a slow disk), or an entry larger than the whole budget skips
   the write and counts it by reason: the serving path never waits for the disk.
-- `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, reads
-  the entries there (usually one or two) and returns the deepest one that starts the prompt. A file another
+- `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, lists
+  it, and reads only the files named as an entry of one of the prompt's depths there would be (deepest first), so
+  other prompts' entries in the same directory are never read; it returns the first that checks. A file another
   replica removed meanwhile is skipped; a refused one is counted by its reason and skipped.
 - `sweep` (the writer thread runs it at start and every `sweep_s`, off the serving path) keeps the directory
   within its bytes and age: entries past `ttl_s` go, then, beyond `budget_bytes`, those of other model or codec
@@ -28,6 +29,7 @@ import torch
 from app.cache.disk_format import (
     DiskEntryError,
     block_dir,
+    entry_name,
     entry_path,
     fingerprint_dir,
     read_entry,
@@ -127,17 +129,20 @@ class DiskTier:
         """(header, tensors) of the deepest entry of `salt` that starts `tokens`, at most `limit` and more than
         `above` deep (directories holding only shallower entries are not read)."""
         key = salt_key(self.secret, salt)
-        for k in range(min(limit, len(tokens)) // self.block, (above + 1) // self.block - 1, -1):
+        top = min(limit, len(tokens))
+        for k in range(top // self.block, (above + 1) // self.block - 1, -1):
             folder = block_dir(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens[: k * self.block])
             try:
-                names = sorted(p for p in os.listdir(folder) if p.endswith(".ckpt"))
+                names = set(os.listdir(folder))
             except OSError:  # no such directory (or unreadable): nothing filed here
                 continue
-            best = None
-            for name in names:
+            # deepest first: the depths this directory may hold, within (above, top], by the names they would have
+            for depth in range(min(top, (k + 1) * self.block - 1), max(above, k * self.block - 1), -1):
+                name = entry_name(self.secret, folder.name, tokens[k * self.block : depth])
+                if name not in names:
+                    continue
                 try:
-                    header, tensors = read_entry(folder / name, self.secret, self.model_fp, self.codec_fp, key,
-                                                 tokens)
+                    found = read_entry(folder / name, self.secret, self.model_fp, self.codec_fp, key, tokens[:depth])
                 except FileNotFoundError:  # removed by another replica's eviction meanwhile
                     continue
                 except DiskEntryError as e:
@@ -145,12 +150,11 @@ class DiskTier:
                     continue
                 except OSError:
                     continue
-                depth = len(header["tokens"])
-                if above < depth <= limit and (best is None or depth > len(best[0]["tokens"])):
-                    best = (header, tensors)
-            if best is not None:
+                if len(found[0]["tokens"]) != depth:  # filed under another depth's name: planted or moved
+                    self.counters.rejected["mismatched"] = self.counters.rejected.get("mismatched", 0) + 1
+                    continue
                 self.counters.hits += 1
-                return best
+                return found
         return None
 
     # ------------------------------------------------------------------ retention

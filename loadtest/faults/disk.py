@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.faults.client import Outcome, Target
+from loadtest.faults.service import wait_idle
 
 SECRET_ENV = "DASC_DISK_SECRET"
 DISK_ENGINE = {"host_mb": 0, "checkpoint_budget_mb": 0.5, "disk_mb": 256, "compile_decode": False,
@@ -67,11 +68,16 @@ async def _load(client, url: str, model: str, asks: list[str], concurrency: int,
     return statuses
 
 
-async def _disk_stats(client, url: str) -> dict:
-    """The replicas' disk tier counters, summed (reasons merged)."""
-    r = await client.get(f"{url}/status", timeout=30)
-    out: dict = {"hits": 0, "writes": 0, "rejected": {}, "skipped_writes": {}}
-    for snap in r.json().get("replicas", {}).values():
+async def _disk_stats(client, url: str, replicas: int, within_s: float) -> dict:
+    """The disk tier counters of all `replicas`, summed (reasons merged), from snapshots reported after this call
+    began (a telemetry window later)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        _, _, snaps = await wait_idle(client, url, max(1.0, deadline - time.monotonic()))
+        if len(snaps) >= replicas or time.monotonic() >= deadline:
+            break
+    out: dict = {"replicas": len(snaps), "hits": 0, "writes": 0, "rejected": {}, "skipped_writes": {}}
+    for snap in snaps.values():
         disk = snap.get("disk_tier") or {}
         for k in ("hits", "writes"):
             out[k] += disk.get(k, 0)
@@ -85,24 +91,24 @@ def _run(target: Target, o, fault, during_s: float | None = None) -> tuple[Outco
     """Reference answers, then the load with `fault(root, stop_at)` running beside it, then the answers again;
     -> the outcome with the common criteria, and the disk counters after."""
     root = Path(target.cluster.args["engine"]["disk_dir"])
-    asks = prompts()
+    asks, replicas = prompts(), target.cluster.args.get("replicas", 2)
     out = Outcome()
 
     async def main():
         async with httpx.AsyncClient(timeout=o.timeout_s) as client:
             before = await _answers(client, target.url, target.model, asks)
-            await asyncio.sleep(o.settle_s)  # telemetry windows carry the writes so far
-            start = await _disk_stats(client, target.url)
+            start = await _disk_stats(client, target.url, replicas, o.settle_s)
             until = time.monotonic() + (during_s or o.duration_s)
             damage = asyncio.create_task(asyncio.to_thread(fault, root, until))
             statuses = await _load(client, target.url, target.model, asks, o.concurrency, until)
             await damage
             after = await _answers(client, target.url, target.model, asks)
-            await asyncio.sleep(o.settle_s)
-            return before, start, statuses, after, await _disk_stats(client, target.url)
+            return before, start, statuses, after, await _disk_stats(client, target.url, replicas, o.settle_s)
 
     before, start, statuses, after, end = asyncio.run(main())
     fails = [s for s in statuses if s != 200]
+    out.check("every replica reported", start["replicas"] == end["replicas"] == replicas, f"{replicas}",
+              [start["replicas"], end["replicas"]])
     out.figures.update(requests=len(statuses), by_status={str(s): statuses.count(s) for s in sorted(set(statuses))},
                        disk_before_fault=start, disk_after=end)
     out.check("no 5xx", not any(s >= 500 for s in statuses), "0", sum(s >= 500 for s in statuses))
@@ -152,6 +158,8 @@ def corrupted(target: Target, o) -> Outcome:
 
     out, end = _run(target, o, fault)
     refused = sum(end["rejected"].values())
+    out.check("entries written and read back", end["writes"] > 0 and end["hits"] > 0, "> 0 each",
+              {"writes": end["writes"], "hits": end["hits"]})
     out.figures["files_damaged"] = damaged[0]
     out.check("damaged files met and refused", refused > 0, "> 0 refused", end["rejected"])
     return out
@@ -166,6 +174,8 @@ def unwritable(target: Target, o) -> Outcome:
 
     out, end = _run(target, o, fault)
     skipped = sum(end["skipped_writes"].values())
+    out.check("entries written before the fault", out.figures["disk_before_fault"]["writes"] > 0, "> 0",
+              out.figures["disk_before_fault"]["writes"])
     out.check("writes skipped and counted", skipped > 0, "> 0 skipped", end["skipped_writes"])
     return out
 

@@ -196,6 +196,7 @@ async def test_disk_tier_series_show_its_writes_hits_rejections_and_queue(tmp_pa
             files[-1].write_bytes(files[-1].read_bytes()[:100])  # the latest (beta's): torn
             for prompt in prompts[:2]:
                 r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers=AUTH)
+            engine.cache.disk.flush()  # the writes those evictions queued are done: both pages see the same
             page = metric_samples((await http.get("/metrics")).text)
             status = (await http.get("/status", headers=AUTH)).json()["replicas"]["local"]["disk_tier"]
         assert status == engine.snapshot()["disk_tier"] | {"queued": status["queued"]}

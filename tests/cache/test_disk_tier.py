@@ -40,6 +40,20 @@ def test_entries_written_behind_are_found_after_a_restart_deepest_first(tmp_path
     assert again.find([7] + TOKENS, 300, "tenant-a") is None
 
 
+def test_other_prompts_entries_in_the_same_directory_are_not_read(tmp_path):
+    """Entries sharing a block prefix share a directory; a lookup opens only the names its own depths would have, so
+    a sibling (here a longer branch, and one past the prompt) is neither read nor counted as refused."""
+    tier = _tier(tmp_path)
+    branch = TOKENS[:100] + [7] * 20
+    for tokens in (TOKENS[:100], branch, TOKENS[:125]):
+        tier.put(None, tokens, None, _state(len(tokens)))
+    tier.flush()
+    assert len({p.parent for p in tmp_path.rglob("*.ckpt")}) == 1
+    header, _ = tier.find(TOKENS[:120], 120, None)
+    assert len(header["tokens"]) == 100 and tier.counters.rejected == {}
+    assert tier.find(branch, 120, None)[0]["tokens"] == branch and tier.counters.rejected == {}
+
+
 def test_refused_files_are_skipped_and_counted(tmp_path):
     tier = _tier(tmp_path)
     tier.put(None, TOKENS[:250], None, _state(1.0))

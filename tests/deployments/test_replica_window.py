@@ -117,3 +117,19 @@ def test_replays_after_a_layout_change_are_not_counted_as_replayed():
     assert window["replayed"] == 0.0 and window["lost"] == 0.0
     eng.generate([prompt], ONE)  # stored again under the new layout: a plain hit
     assert cache_window(eng.snapshot(), after, eng.cfg.tail)["hit_rate"] > 0.5
+
+
+def test_a_replica_reports_its_flat_fields_and_the_disk_tier_block(tmp_path, monkeypatch):
+    """/status and /metrics behind Serve see what `reported` keeps of a snapshot: the disk tier's counters went
+    missing before (only flat fields and the acceptance histogram were kept)."""
+    from app.engine.engine import DISK_SECRET_ENV
+    from deployments.replica import reported
+
+    monkeypatch.setenv(DISK_SECRET_ENV, "s")
+    model, tok = load_zoo("kda-tiny")
+    snap = Engine(model, tok, EngineConfig(checkpoint_slots=2, disk_dir=str(tmp_path))).snapshot()
+    out = reported(snap)
+    assert out["disk_tier"] == snap["disk_tier"] and "writes" in out["disk_tier"]
+    assert out["spec_accepted_per_verify"] == snap["spec_accepted_per_verify"]
+    assert {k for k, v in snap.items() if not isinstance(v, dict)} <= out.keys()
+    assert not {k for k, v in out.items() if isinstance(v, dict)} - {"disk_tier", "spec_accepted_per_verify"}
