@@ -94,26 +94,32 @@ def write_entry(path: Path, secret: bytes, header: dict, tensors: dict[str, torc
     head = {**header, "written": time.time(),
             "tensors": [{"name": n, "dtype": NAMES[t.dtype], "shape": list(t.shape)} for n, t in tensors.items()]}
     text = json.dumps(head, separators=(",", ":")).encode()
-    payload = b"".join(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors.values())
-    body = MAGIC + struct.pack("<IQ", len(text), len(payload)) + text + payload
-    blob = body + hmac.new(secret, body, hashlib.sha256).digest()
+    views = [memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy()) for t in tensors.values()]
+    size = sum(v.nbytes for v in views)
+    parts = [MAGIC + struct.pack("<IQ", len(text), size) + text, *views]
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+        with os.fdopen(fd, "wb") as f:  # streamed: the tensors' bytes are hashed and written without a copy
+            for part in parts:
+                mac.update(part)
+                f.write(part)
+            f.write(mac.digest())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return len(blob)
+    return len(parts[0]) + size + TAG
 
 
 def read_entry(path: Path, secret: bytes, model_fp: str, codec_fp: str, salt_key: str,
                prompt: list[int] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(header, tensors) of the entry at `path`, checked (see the module doc); DiskEntryError otherwise, and
     FileNotFoundError if it vanished (another replica evicted it)."""
-    blob = path.read_bytes()
+    with open(path, "rb") as f:  # into one writable buffer, which the tensors then view without a copy
+        blob = bytearray(os.fstat(f.fileno()).st_size)
+        del blob[f.readinto(blob):]  # shorter if it was truncated meanwhile
     start = len(MAGIC) + 12
     if len(blob) < start + TAG:
         raise DiskEntryError("torn", f"{len(blob)} bytes")
@@ -123,8 +129,8 @@ def read_entry(path: Path, secret: bytes, model_fp: str, codec_fp: str, salt_key
     if start + length + size + TAG != len(blob):
         raise DiskEntryError("torn" if start + length + size + TAG > len(blob) else "corrupted",
                              f"{len(blob)} bytes, its lengths say {start + length + size + TAG}")
-    body, tag = blob[:-TAG], blob[-TAG:]
-    if not hmac.compare_digest(tag, hmac.new(secret, body, hashlib.sha256).digest()):
+    view = memoryview(blob)
+    if not hmac.compare_digest(bytes(view[-TAG:]), hmac.new(secret, view[:-TAG], hashlib.sha256).digest()):
         raise DiskEntryError("unauthenticated")
     try:
         header = json.loads(blob[start : start + length])
@@ -137,15 +143,14 @@ def read_entry(path: Path, secret: bytes, model_fp: str, codec_fp: str, salt_key
     if header.get("salt") != salt_key or not isinstance(tokens, list) or (
             prompt is not None and prompt[: len(tokens)] != tokens):
         raise DiskEntryError("mismatched")
-    tensors, at, payload = {}, 0, body[start + length :]
+    tensors, at, end = {}, start + length, len(blob) - TAG
     for name, dtype, shape in specs:
         n = torch.Size(shape).numel() * dtype.itemsize
-        if at + n > len(payload):
+        if at + n > end:
             raise DiskEntryError("corrupted", "payload shorter than its tensors")
-        raw = torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8) if n else \
-            torch.empty(0, dtype=torch.uint8)
+        raw = torch.frombuffer(blob, dtype=torch.uint8, count=n, offset=at) if n else torch.empty(0, dtype=torch.uint8)
         tensors[name] = raw.view(dtype).reshape(shape)
         at += n
-    if at != len(payload):
+    if at != end:
         raise DiskEntryError("corrupted", "payload longer than its tensors")
     return header, tensors

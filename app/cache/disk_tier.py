@@ -37,6 +37,8 @@ from app.cache.disk_format import (
     write_entry,
 )
 
+WRITER_NICE = 10  # the write-behind thread yields the CPU to the step thread and the API
+
 
 @dataclass
 class DiskCounters:
@@ -94,6 +96,10 @@ class DiskTier:
                 "skipped_writes": dict(c.skipped_writes), "rejected": dict(c.rejected), "swept": dict(c.swept)}
 
     def _write_loop(self) -> None:
+        try:  # below the serving threads: on Linux a thread's own nice value (by its thread id)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             if self.budget_bytes is not None and time.monotonic() - self._swept_at >= self.sweep_s:
                 self._swept_at = time.monotonic()

@@ -17,8 +17,8 @@ layout stored checkpoints are in, so that no entry of another layout is ever loa
 
 With a disk tier (`disk`, app/cache/disk_tier.py) below, entries the host tier evicts are written behind, and
 `match` looks on disk when the host tier has nothing deeper: a disk entry is filed into the host tier, then promoted
-like any other. With the host tier off (`staging`), the host tier is only a staging area: a demoted entry is queued
-for the disk at once and leaves it.
+like any other. With the host tier off (`staging`), a checkpoint leaving the pools is copied from them and queued
+for the disk at once, and the host tier only stages disk hits on their way back.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class PrefixCache:
         self.counters = CacheCounters()
         self.host, self.io, self.layout = host, io, layout
         self.disk = None  # the disk tier below the host tier (app/cache/disk_tier.py), set by the engine
-        self.staging = False  # True: `host` only stages entries on their way to and from the disk tier
+        self.staging = False  # True: no host tier of its own: `host` only stages disk hits on their way back
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
@@ -279,7 +279,10 @@ class PrefixCache:
             for drops in (self.counters.unused_drops_by_kind,
                           *(() if node.discarded else (self.counters.unused_evictions_by_kind,))):
                 drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
-        if self.host is not None and not node.discarded:
+        if self.staging and not node.discarded:  # no host tier of its own: straight on to the disk tier
+            salt, tokens = self.tree.path(node)
+            self.disk.put(salt, tokens, node.ckpt_kind, self._pool_entry(node))
+        elif self.host is not None and not node.discarded:
             self._demote(node)
 
     def _demote(self, node: Node) -> None:
@@ -295,10 +298,6 @@ class PrefixCache:
                 self.host.take(d.entry)  # never filed without its bytes
                 self.io.host_drop([d.entry.id], self.host.release(d.entry))
                 raise
-            if self.staging:  # no host tier of its own: straight on to the disk tier
-                self.disk.put(d.entry.salt, list(d.entry.tokens), d.entry.kind, self.io.host.export(d.entry.id))
-                self.host.take(d.entry)
-                self.io.host_drop([d.entry.id], self.host.release(d.entry))
 
     def persist(self, deadline: float) -> int:
         """Write every checkpoint the host tier and the pool hold to the disk tier (a graceful stop: they would be
@@ -317,12 +316,16 @@ class PrefixCache:
             if wait <= 0:
                 return queued
             salt, tokens = self.tree.path(node)
-            kv = self.tree.path_kv(node).to(self.io.device)
-            rows = self.io.codec.export(node.checkpoint)
-            tensors = {f"state.{i}": r.to("cpu", copy=True) for i, r in enumerate(rows)}
-            tensors |= {f"kv.{layer}": t.index_select(0, kv).cpu() for layer, t in self.io.kv.storage.items()}
-            queued += self.disk.put(salt, tokens, node.ckpt_kind, tensors, wait)
+            queued += self.disk.put(salt, tokens, node.ckpt_kind, self._pool_entry(node), wait)
         return queued
+
+    def _pool_entry(self, node: Node) -> dict[str, torch.Tensor]:
+        """`node`'s checkpoint and its prefix's KV, copied from the pools to host tensors as the disk tier writes
+        them (`HostStore.export`'s names)."""
+        kv = self.tree.path_kv(node).to(self.io.device)
+        rows = self.io.codec.export(node.checkpoint)
+        tensors = {f"state.{i}": r.to("cpu", copy=True) for i, r in enumerate(rows)}
+        return tensors | {f"kv.{layer}": t.index_select(0, kv).cpu() for layer, t in self.io.kv.storage.items()}
 
     def set_layout(self, layout: tuple) -> None:
         """Stored checkpoints are in `layout` from now on: host entries of any other go (their bytes too)."""

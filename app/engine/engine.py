@@ -83,8 +83,8 @@ class Engine:
         return FlopAwareSelect(*_flops_per_token(self.model), self.worker.codec.bytes_per_slot, cfg.flop_alpha)
 
     def _host_bytes(self, cfg: EngineConfig, model: HybridForCausalLM) -> int:
-        """The host tier's budget: `host_mb`; with the host tier off and a disk tier on, a staging area that entries
-        pass through between the pools and the disk: two entries at the longest prefix the KV pool holds."""
+        """The host tier's budget: `host_mb`; with the host tier off and a disk tier on, a staging area for disk hits on
+        their way back to the pools: two entries at the longest prefix the KV pool holds."""
         if cfg.host_mb > 0:
             return int(cfg.host_mb * 2**20)
         longest = min(cfg.kv_slots, cfg.max_model_len or _model_len(model))
