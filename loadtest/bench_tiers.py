@@ -15,6 +15,18 @@ Reported per arm as medians over --seeds, over the replay requests: the hit rate
 and p90 TTFT (from adding the request to its first token), the host tier's entries and bytes by kind at the end,
 and the time its promotions took against the prefill they saved (promoted tokens at the no-tier arm's measured
 prefill seconds per token). Results: loadtest/results/bench_tiers_cpu.json; --out DOC replaces the block in DOC.
+
+`--section disk` (about 10 minutes) measures the disk tier, each arm on fresh engines and a fresh directory:
+- restart: --restart-prefixes distinct prefixes of --restart-tokens tokens (24 of 2k), each asked once, then a
+  restart (a new engine in this process on the same directory and secret, with empty pools: the page cache stays
+  warm, as on a restarted replica of the same machine), then each asked again; pools holding a quarter of them and
+  the host tier off (every eviction written). Restarts: "graceful" (the stopping engine persists what its pools
+  hold, as a replica's shutdown does), "crash" (only what was written behind before it), "no disk". Reported: the
+  share of prefixes resumed, the hit rate and mean TTFT after the restart, per codec;
+- write-behind cost: the reuse-distance replay above (dense, pools at 4x, --decode-tokens per request), with the
+  disk tier off, "writes" (written behind, lookups disabled: the writes' cost alone) and "on" (written and read);
+  mean TTFT and decode tok/s over the replay requests, as medians of per-seed ratios against "off" (the arms'
+  order alternates per seed).
 """
 
 from __future__ import annotations
@@ -152,10 +164,12 @@ def restart_arm(model, tok, prefixes: list, knobs: dict, mode: str) -> dict:
         elif root is not None:
             first.cache.disk.flush()
         written = first.cache.disk.counters.writes if root else 0
-        del first
         again = _disk_engine(model, tok, root, knobs)
         warm = [serve(again, p) for p in prefixes]
         again.check_integrity()
+        for engine in (first, again):
+            if engine.cache.disk is not None:
+                engine.cache.disk.close()  # before its directory goes
     return {"hit_rate": sum(c for _, c in warm) / sum(len(p) for p in prefixes),
             "resumed": sum(c > 0 for _, c in warm) / len(prefixes), "ttft_mean_ms": statistics.fmean(
                 t for t, _ in warm) * 1e3, "cold_ttft_mean_ms": statistics.fmean(cold) * 1e3, "written": written}
@@ -189,6 +203,8 @@ def cost_arm(model, tok, order: list, knobs: dict, disk: str, decode: int) -> di
                 ttfts.append(t)
                 decode_s, decoded = decode_s + d, decoded + n
         stats = engine.cache.disk.stats() if engine.cache.disk else {}
+        if engine.cache.disk is not None:
+            engine.cache.disk.close()  # before its directory goes
     return {"ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "decode_tok_s": decoded / decode_s,
             "writes": stats.get("writes", 0), "written_mb": stats.get("written_bytes", 0) / 2**20,
             "disk_hits": stats.get("hits", 0), "skipped_writes": sum(stats.get("skipped_writes", {}).values())}

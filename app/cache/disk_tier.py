@@ -59,7 +59,7 @@ class DiskTier:
         self.root, self.secret, self.block = Path(root), secret, block
         self.model_fp, self.codec_fp = model_fp, codec_fp
         self.budget_bytes, self.ttl_s, self.sweep_s = budget_bytes, ttl_s, sweep_s
-        self._swept_at = float("-inf")
+        self._swept_at, self._closed = float("-inf"), False
         self.counters = DiskCounters()
         self._queue: queue.Queue = queue.Queue(max_queue)
         self._writer = threading.Thread(target=self._write_loop, name="disk-tier-writer", daemon=True)
@@ -70,6 +70,9 @@ class DiskTier:
             wait_s: float = 0.0) -> bool:
         """Queue one entry for writing (host tensors, not touched afterwards), waiting up to `wait_s` for room in
         the queue (0 on the serving path); False if it was skipped (also when it alone exceeds the budget)."""
+        if self._closed:
+            self._skip("closed")
+            return False
         if self.budget_bytes is not None and sum(t.nbytes for t in tensors.values()) > self.budget_bytes:
             self._skip("larger_than_budget")
             return False
@@ -84,6 +87,15 @@ class DiskTier:
     def flush(self) -> None:
         """Wait until every queued entry is written (or skipped)."""
         self._queue.join()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued and end the writer thread (within `timeout_s`); later `put`s are skipped."""
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._writer.join(timeout_s)
 
     @property
     def queued(self) -> int:
@@ -111,6 +123,9 @@ class DiskTier:
                 item = self._queue.get(timeout=self.sweep_s)
             except queue.Empty:
                 continue
+            if item is None:  # `close`
+                self._queue.task_done()
+                return
             salt, tokens, kind, tensors = item
             try:
                 path = entry_path(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens, self.block)

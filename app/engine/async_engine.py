@@ -161,11 +161,15 @@ class AsyncEngine:
         self._fail_all(EngineUnavailable(f"draining: the request did not finish within {timeout_s:g} s"))
 
     def shutdown(self) -> None:
-        """End the step thread; requests still in flight fail with EngineUnavailable."""
+        """End the step thread (requests still in flight fail with EngineUnavailable), then the disk tier's writer
+        thread, if any, once it has written what is queued."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        disk = getattr(getattr(self.engine, "cache", None), "disk", None)
+        if disk is not None:
+            disk.close()
 
     # ------------------------------------------------------------------ the step thread
     def _run_loop(self) -> None:

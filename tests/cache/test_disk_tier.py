@@ -135,3 +135,11 @@ def _read(path):
 
 def _mine(path) -> bool:
     return _read(path)["model"] == "model-fp"
+
+
+def test_close_writes_what_is_queued_then_ends_the_writer(tmp_path):
+    tier = _tier(tmp_path)
+    tier.put(None, TOKENS[:100], None, _state(1.0))
+    tier.close()
+    assert tier.counters.writes == 1 and not tier._writer.is_alive()
+    assert not tier.put(None, TOKENS[:120], None, _state(2.0)) and tier.counters.skipped_writes == {"closed": 1}
