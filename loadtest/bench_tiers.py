@@ -24,9 +24,9 @@ prefill seconds per token). Results: loadtest/results/bench_tiers_cpu.json; --ou
   hold, as a replica's shutdown does), "crash" (only what was written behind before it), "no disk". Reported: the
   share of prefixes resumed, the hit rate and mean TTFT after the restart, per codec;
 - write-behind cost: the reuse-distance replay above (dense, pools at 4x, --decode-tokens per request), with the
-  disk tier off, "writes" (written behind, lookups disabled: the writes' cost alone) and "on" (written and read);
-  mean TTFT and decode tok/s over the replay requests, as medians of per-seed ratios against "off" (the arms'
-  order alternates per seed).
+  disk tier off, "writes" (written behind, lookups disabled: the writes' cost alone) and "on" (written and read),
+  one engine each, interleaved request by request (`cost_arms`); mean TTFT and decode tok/s over the replay
+  requests, as medians of per-seed ratios against "off".
 """
 
 from __future__ import annotations
@@ -190,24 +190,33 @@ def serve_decode(engine: Engine, prompt: list[int], params: SamplingParams) -> t
     return first - t0, last - first, n - 1
 
 
-def cost_arm(model, tok, order: list, knobs: dict, disk: str, decode: int) -> dict:
-    """The reuse-distance replay with `decode` tokens per request: mean TTFT and decode tok/s over its replay
-    requests, with the disk tier off, written behind only ("writes"), or written and read ("on")."""
+def cost_arms(model, tok, order: list, knobs: dict, arms: tuple[str, ...], decode: int) -> dict:
+    """The reuse-distance replay with `decode` tokens per request on one engine per arm (the disk tier off, written
+    behind only: "writes", or written and read: "on"), interleaved request by request in an order that rotates, so
+    that the machine's drift falls on every arm alike; each engine's queued writes are finished (untimed) before
+    another engine serves. Per arm: mean TTFT and decode tok/s over the replay requests, and its disk counters."""
     params = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True)
     with tempfile.TemporaryDirectory(prefix="bench-tiers-disk-") as tmp:
-        engine = _disk_engine(model, tok, None if disk == "off" else Path(tmp) / "tier", knobs, disk == "on")
-        ttfts, decode_s, decoded = [], 0.0, 0
-        for prompt, timed in order:
-            t, d, n = serve_decode(engine, prompt, params)
-            if timed:
-                ttfts.append(t)
-                decode_s, decoded = decode_s + d, decoded + n
-        stats = engine.cache.disk.stats() if engine.cache.disk else {}
-        if engine.cache.disk is not None:
-            engine.cache.disk.close()  # before its directory goes
-    return {"ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "decode_tok_s": decoded / decode_s,
-            "writes": stats.get("writes", 0), "written_mb": stats.get("written_bytes", 0) / 2**20,
-            "disk_hits": stats.get("hits", 0), "skipped_writes": sum(stats.get("skipped_writes", {}).values())}
+        engines = {a: _disk_engine(model, tok, None if a == "off" else Path(tmp) / a, knobs, a == "on") for a in arms}
+        seen = {a: {"ttfts": [], "decode_s": 0.0, "decoded": 0} for a in arms}
+        for i, (prompt, timed) in enumerate(order):
+            for a in arms[i % len(arms):] + arms[: i % len(arms)]:
+                t, d, n = serve_decode(engines[a], prompt, params)
+                if engines[a].cache.disk is not None:
+                    engines[a].cache.disk.flush()
+                if timed:
+                    seen[a]["ttfts"].append(t)
+                    seen[a]["decode_s"], seen[a]["decoded"] = seen[a]["decode_s"] + d, seen[a]["decoded"] + n
+        out = {}
+        for a, engine in engines.items():
+            stats = engine.cache.disk.stats() if engine.cache.disk else {}
+            if engine.cache.disk is not None:
+                engine.cache.disk.close()  # before its directory goes
+            out[a] = {"ttft_mean_ms": statistics.fmean(seen[a]["ttfts"]) * 1e3,
+                      "decode_tok_s": seen[a]["decoded"] / seen[a]["decode_s"], "writes": stats.get("writes", 0),
+                      "written_mb": stats.get("written_bytes", 0) / 2**20, "disk_hits": stats.get("hits", 0),
+                      "skipped_writes": sum(stats.get("skipped_writes", {}).values())}
+    return out
 
 
 def run_disk_seed(model, tok, seed: int, args) -> dict:
@@ -222,9 +231,8 @@ def run_disk_seed(model, tok, seed: int, args) -> dict:
         print(seed, codec, {k: round(v["hit_rate"], 3) for k, v in rows.items()}, flush=True)
     order, distinct = replay(tok, seed, tuple(args.phases), args.min_tokens, args.max_tokens)
     pools = sizes(distinct, 4.0, args.max_tokens + 64)
-    arms = ("off", "writes", "on") if seed % 2 else ("on", "writes", "off")  # the order alternates per seed
-    for disk in arms:
-        rows[f"cost/dense/{disk}"] = cost_arm(model, tok, order, pools, disk, args.decode_tokens)
+    for disk, row in cost_arms(model, tok, order, pools, ("off", "writes", "on"), args.decode_tokens).items():
+        rows[f"cost/dense/{disk}"] = row
     print(seed, {k: round(v["ttft_mean_ms"], 1) for k, v in rows.items() if k.startswith("cost")}, flush=True)
     return rows
 
