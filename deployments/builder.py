@@ -105,6 +105,10 @@ class RouterArgs(_Strict):
     remember_s: float = Field(30.0, gt=0, description="how long the router counts a prefix it sent as held there")
     settle_s: float = Field(2.0, ge=0, description="a sent prefix a later digest does not hold is forgotten after "
                                                    "this")
+    fetch_fixed_s: float = Field(0.05, ge=0, description="a peer fetch's fixed cost until the replicas measure it "
+                                 "(replicas with engine.peer_fetch pull a peer's checkpoint when that is cheapest)")
+    fetch_s_per_byte: float = Field(1e-9, ge=0, description="a peer fetch's cost per byte until measured")
+    fetch_max_bytes: int = Field(512 * 2**20, ge=0, description="no peer fetch of a larger entry (object store room)")
 
 
 class ControllerArgs(_Strict):
@@ -246,7 +250,8 @@ def build_app(args: dict) -> Application:
     router_kwargs = {}
     if cfg.router.kind == "prefix":
         router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "affinity_credit", "work_weight",
-                                                             "remember_s", "settle_s")}
+                                                             "remember_s", "settle_s", "fetch_fixed_s",
+                                                             "fetch_s_per_byte", "fetch_max_bytes")}
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests, health_check_period_s=cfg.health_check_period_s,

@@ -1,5 +1,6 @@
-"""What the ingress sends to an engine replica through a DeploymentHandle. The router reads it too:
-`prompt_ids` for our prefix-aware router, `prompt` (text) for Ray's PrefixCacheAffinityRouter."""
+"""What the ingress sends to an engine replica through a DeploymentHandle (and a replica to a peer: `ExportRequest`).
+The router reads it too: `prompt_ids` for our prefix-aware router, `prompt` (text) for Ray's
+PrefixCacheAffinityRouter; it sets `fetch`."""
 
 from __future__ import annotations
 
@@ -22,3 +23,16 @@ class GenerateRequest:
     # a Responses continuation's: (replica that served the stored response, its prompt tokens, its prompt + output
     # tokens this prompt starts with, when it was stored (time.time())); see app/api/hints.py
     resume: tuple[str, int, int, float] | None = None
+    # the router's: (the peer replica to pull this prompt's checkpoint from first, its bytes); see peer_fetch.py
+    fetch: tuple[str, int] | None = None
+
+
+@dataclass
+class ExportRequest:
+    """A replica asking a peer (`target`, whom the router routes it to) for the deepest checkpoint of `salt` that
+    `prompt_ids` starts with, at most `limit` deep (deployments/peer_fetch.py)."""
+
+    target: str
+    prompt_ids: list[int]
+    limit: int
+    salt: str | None = None

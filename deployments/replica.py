@@ -34,13 +34,14 @@ from app.engine.errors import EngineUnavailable
 from app.engine.load import load_report
 from app.engine.tp import build_engine
 from deployments.controller import ControllerClient
-from deployments.messages import GenerateRequest
+from deployments.messages import ExportRequest, GenerateRequest
+from deployments.peer_fetch import PeerFetcher, pack
 
 log = logging.getLogger("ray.serve")
 SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
 # snapshot blocks a replica reports besides its flat fields: the acceptance histogram's counts (/metrics'
 # spec_decode_acceptance_length) and the disk tier's counters (/metrics' dasc:disk_tier_*)
-REPORTED_BLOCKS = ("spec_accepted_per_verify", "disk_tier")
+REPORTED_BLOCKS = ("spec_accepted_per_verify", "disk_tier")  # (and the replica's own `peer_fetch` counters)
 KEYS_PUBLISHED = 1024  # the latest prompt_cache_keys (hashed) a replica served, published for the router
 
 
@@ -65,9 +66,29 @@ class EngineReplica:
         # telemetry always flows (for /metrics); the controller tunes only if enabled
         self._controller = ControllerClient(controller["actor"])
         self._task = asyncio.get_event_loop().create_task(self._telemetry_loop())
+        context = serve.get_replica_context()
+        self.fetcher = PeerFetcher(self.replica_id, self.engine, lambda: self._peer_handle(context))
+        self._peers = None
+
+    def _peer_handle(self, context):
+        if self._peers is None:
+            self._peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        return self._peers
+
+    async def export_entry(self, request: ExportRequest) -> dict | None:
+        """A peer's fetch (deployments/peer_fetch.py): the deepest checkpoint this engine holds for the prompt,
+        exported between two steps, packed for the object store; None if it holds none (or the router sent the
+        request to another replica than the one it names)."""
+        if request.target != self.replica_id:
+            return None
+        entry = await asyncio.to_thread(self.engine.call, lambda e: e.export_entry(request.prompt_ids, request.limit,
+                                                                                   request.salt))
+        return None if entry is None else pack(entry)
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
+        if request.fetch is not None and self._can_fetch:
+            await self.fetcher.fetch(request, self._tail())
         if request.affinity is not None:
             self._keys[request.affinity] = None
             self._keys.move_to_end(request.affinity)
@@ -91,6 +112,9 @@ class EngineReplica:
             host = engine.cache.host
             tier = {"host_marks": host.marks(self.digest_block), "host_s_per_byte": host.load_s_per_byte} \
                 if host is not None else {}
+            tier |= {"can_fetch": self._can_fetch, "state_bytes": engine.codec.bytes_per_slot,
+                     "kv_bytes_per_token": engine.worker.kv.bytes_per_token,
+                     "fetch_costs": self.fetcher.links.all()}
             return running, waiting, prefix_digest(engine.cache.tree, self.digest_block), {**load_report(engine),
                                                                                           **tier}
 
@@ -155,6 +179,12 @@ class EngineReplica:
             except Exception as exc:  # noqa: BLE001 - telemetry must never take the replica down
                 log.warning("telemetry window failed: %r", exc)
 
+    @property
+    def _can_fetch(self) -> bool:
+        """Whether this replica takes the router's fetches: `engine.peer_fetch`, one worker (a host tier to file in)."""
+        engine = self.engine.engine
+        return engine.cfg.peer_fetch and engine.cache.host is not None and getattr(engine, "tp_group", None) is None
+
     def _tail(self) -> int:
         return self.engine.engine.cfg.tail
 
@@ -174,7 +204,7 @@ class EngineReplica:
                   # overload: the peak waiting (routing-stats samples and now) and refusals (if the engine counts them)
                   "waiting": max(peak, snap["waiting"]), "rejected": snap.get("rejected", 0) - last.get("rejected", 0)}
         running = self._setting()
-        await self._controller.call("report", window, reported(snap), running)
+        await self._controller.call("report", window, reported(snap) | {"peer_fetch": self.fetcher.stats()}, running)
         version, setting = await self._controller.call("assignment", self.replica_id, running)
         if setting != running:
             await asyncio.to_thread(self.engine.call, lambda e: e.retune(**setting))

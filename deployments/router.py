@@ -16,6 +16,10 @@ Hints (`GenerateRequest.affinity`, `.resume`; app/api/hints.py): a prompt_cache_
 served it lately (`RouterKnobs.key_credit`), and a Responses continuation counts the stored response's
 checkpoint on the replica that served it (`routing_policy.claimed`), each weighed in the same cost model.
 
+Peer fetches (issue 40; deployments/peer_fetch.py): where a replica that can fetch would resume sooner from a
+peer's deeper checkpoint, pulled first, than from its own or at the holder behind its queue (`routing_policy.choose`),
+the router sets `GenerateRequest.fetch` to that peer; a replica's `ExportRequest` goes to the replica it names.
+
 A retried request names the replica that failed it (`GenerateRequest.avoid`: its engine could not step); that
 replica is left out unless it is the only one.
 """
@@ -27,7 +31,8 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.routing_policy import Hint, RouterKnobs, RouterMemory, expected_marks, predict, rank
+from deployments.messages import ExportRequest, GenerateRequest
+from deployments.routing_policy import Hint, RouterKnobs, RouterMemory, choose, expected_marks, predict
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -38,16 +43,24 @@ class PrefixAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        req = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(req, ExportRequest):  # a peer fetch goes to the replica it names (if it is still there)
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == req.target]
+            return [named] if named else [candidate_replicas]
         chain, tokens = _request(pending_request, self.knobs.block_size)
         hint = self._hint(pending_request)
         avoid = getattr(pending_request.args[0], "avoid", None) if pending_request and pending_request.args else None
         candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = {c.replica_id: c for c in map(self._candidate, candidate_replicas)}
-        ranks = rank(list(candidates.values()), chain, tokens, self.knobs, hint)
+        decision = choose(list(candidates.values()), chain, tokens, self.knobs, hint)
+        ranks = decision.ranks
+        if isinstance(req, GenerateRequest):  # the chosen replica pulls a peer's checkpoint first, or not
+            p = decision.prediction
+            req.fetch = (p.fetch_from, p.fetch_bytes) if p is not None and p.fetch_from is not None else None
         request_id = pending_request.metadata.request_id if pending_request is not None else None
         if ranks and request_id is not None and self._decided.get(request_id) != ranks[0][0]:
-            self._remember(candidates[ranks[0][0]], chain, tokens, hint, confirmed=False)
+            self._remember(candidates[ranks[0][0]], chain, tokens, hint, confirmed=False, p=decision.prediction)
             self._decided[request_id] = ranks[0][0]
             while len(self._decided) > 4096:  # requests never sent (cancelled while routing)
                 self._decided.popitem(last=False)
@@ -64,8 +77,8 @@ class PrefixAwareRouter(RequestRouter):
             self._remember(self.memory.candidate(replica_id.unique_id, stats, None), chain, tokens,
                            self._hint(pending_request), confirmed=True)
 
-    def _remember(self, c, chain: list[int], tokens, hint: Hint | None, confirmed: bool) -> None:
-        p = predict(c, chain, tokens, self.knobs, hint)
+    def _remember(self, c, chain: list[int], tokens, hint: Hint | None, confirmed: bool, p=None) -> None:
+        p = p or predict(c, chain, tokens, self.knobs, hint)
         self.memory.routed(c.replica_id, chain, p.uncached, expected_marks(c, chain, tokens, p, self.knobs.block_size),
                            confirmed, hint.key if hint else None)
 

@@ -79,6 +79,9 @@ class RouterKnobs:
     share_window: int = 64
     key_credit: float = 2.0
     host_s_per_byte: float = 1e-9
+    fetch_s_per_byte: float = 1e-9  # a peer fetch's cost per byte until measured between the two replicas
+    fetch_fixed_s: float = 0.05  # and its fixed cost (calls, export, filing)
+    fetch_max_bytes: int = 512 * 2**20  # no fetch of a larger entry (object-store room)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,14 @@ class Candidate:
     keys: frozenset[int] = frozenset()  # hashed prompt_cache_keys it served or was sent lately
     host_marks: dict = field(default_factory=dict)  # block hash -> ((r, tail hash, bytes), ...) of its host tier
     host_s_per_byte: float | None = None  # its measured host-tier load cost; None: RouterKnobs.host_s_per_byte
+    # peer fetches (issue 40): whether it can pull an entry from a peer (a host tier to file it in), its published
+    # pool checkpoints alone (no expected ones: a fetch needs a stored entry), what one of its pool entries weighs
+    # (a checkpoint slot, and KV per token), and its measured fetch cost from each peer: (fixed s, s per byte)
+    can_fetch: bool = False
+    stored_marks: dict = field(default_factory=dict)
+    state_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    fetch_costs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,8 @@ class Prediction:
     ttft_s: float
     score: float
     kv: int = 0  # prompt tokens held as KV there (block-aligned)
+    fetch_from: str | None = None  # the peer it pulls its checkpoint from first (None: it resumes from its own)
+    fetch_bytes: int = 0
 
 
 
@@ -190,8 +203,10 @@ def claimed(c: Candidate, chain: list[int], hint: Hint | None, block: int) -> in
 
 
 def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,
-            hint: Hint | None = None) -> Prediction:
-    """The request's predicted TTFT on `c` (see the module doc). tokens: the prompt's ids, or only its length."""
+            hint: Hint | None = None, peers: list[Candidate] = ()) -> Prediction:
+    """The request's predicted TTFT on `c` (see the module doc) and its score: resuming from what `c` holds, or,
+    when that scores less, from a deeper entry a peer (`peers`) holds, fetched first. tokens: the prompt's ids, or
+    only its length."""
     ids, prompt_len = (None, tokens) if isinstance(tokens, int) else (tokens, len(tokens))
     depth = max(checkpointed(c.marks, chain, ids, knobs.block_size), claimed(c, chain, hint, knobs.block_size))
     load_s = 0.0
@@ -200,6 +215,22 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
         if host > depth:
             depth = host
             load_s = rest[0] * (knobs.host_s_per_byte if c.host_s_per_byte is None else c.host_s_per_byte)
+    best = _priced(c, chain, prompt_len, depth, load_s, knobs, hint)
+    for h in peers if c.can_fetch else ():
+        if h.replica_id == c.replica_id:
+            continue
+        held, nbytes = stored(h, chain, ids, knobs.block_size)
+        if held <= depth or nbytes > knobs.fetch_max_bytes:
+            continue
+        option = _priced(c, chain, prompt_len, held, fetch_s(c, h, nbytes, knobs), knobs, hint, h.replica_id, nbytes)
+        if option.score < best.score:
+            best = option
+    return best
+
+
+def _priced(c: Candidate, chain: list[int], prompt_len: int, depth: int, load_s: float, knobs: RouterKnobs,
+            hint: Hint | None, fetch_from: str | None = None, fetch_bytes: int = 0) -> Prediction:
+    """TTFT and score on `c` resuming at `depth` after `load_s` (a host-tier load, or a peer fetch)."""
     depth = min(depth, prompt_len - 1) if depth else 0
     uncached = prompt_len - depth + (c.resume if depth else 0)
     uncached = max(1, min(prompt_len, uncached))
@@ -213,7 +244,28 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
     score = ttft + token_s * (knobs.work_weight * uncached - knobs.affinity_credit * max(0, kv - depth))
     if hint is not None and hint.key is not None and hint.key in c.keys:
         score -= token_s * knobs.key_credit * prompt_len
-    return Prediction(depth, uncached, ttft, score, kv)
+    return Prediction(depth, uncached, ttft, score, kv, fetch_from, fetch_bytes)
+
+
+def stored(h: Candidate, chain: list[int], tokens: list[int] | None, block: int) -> tuple[int, int]:
+    """(depth, bytes) of the deepest entry `h` has stored (its published pool checkpoints, each a checkpoint slot and
+    its prefix's KV, and its host-tier entries, each with its bytes) that the prompt starts with; (0, 0) for none."""
+    pool, _ = deepest(h.stored_marks, chain, tokens, block)
+    host, rest = deepest(h.host_marks, chain, tokens, block) if h.host_marks else (0, ())
+    if host > pool:
+        return host, rest[0]
+    return pool, (h.state_bytes + pool * h.kv_bytes_per_token) if pool else 0
+
+
+def fetch_s(c: Candidate, h: Candidate, nbytes: int, knobs: RouterKnobs) -> float:
+    """What pulling `nbytes` from holder `h` to `c` costs before `c` can resume: the fixed cost and bytes at what
+    `c` measured from `h` (the knobs' guess before a first fetch), plus one of `h`'s steps (it exports between
+    steps)."""
+    fixed, per_byte = c.fetch_costs.get(h.replica_id, (knobs.fetch_fixed_s, knobs.fetch_s_per_byte))
+    budget = h.step_tokens or knobs.step_tokens
+    step = (knobs.fixed_s if h.fixed_s is None else h.fixed_s) + \
+        (knobs.token_s if h.token_s is None else h.token_s) * min(h.queued + h.decoding, budget)
+    return fixed + per_byte * nbytes + step
 
 
 def with_peer_costs(candidates: list[Candidate]) -> list[Candidate]:
@@ -227,19 +279,36 @@ def with_peer_costs(candidates: list[Candidate]) -> list[Candidate]:
     return [c if c.token_s is not None else replace(c, token_s=token_s, fixed_s=fixed_s) for c in candidates]
 
 
+@dataclass(frozen=True)
+class Decision:
+    """`choose`'s answer: replica ids in preference ranks ([[chosen], [the rest by score]]), and the chosen one's
+    prediction (its `fetch_from`: a peer to pull the checkpoint from first)."""
+
+    ranks: list[list[str]]
+    prediction: Prediction | None = None
+
+
+def choose(candidates: list[Candidate], chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,
+           hint: Hint | None = None) -> Decision:
+    """The least score among the candidates, each resuming from what it holds or from a peer's deeper entry."""
+    if not candidates:
+        return Decision([])
+    candidates = with_peer_costs(candidates)
+    preds = {c.replica_id: predict(c, chain, tokens, knobs, hint, candidates) for c in candidates}
+    tie = knobs.block_size * min((c.token_s if c.token_s is not None else knobs.token_s) for c in candidates)
+    best = min(p.score for p in preds.values())
+    chosen = min((c for c in candidates if preds[c.replica_id].score <= best + tie),
+                 key=lambda c: (preds[c.replica_id].fetch_from is not None, c.recent, c.replica_id))
+    rest = sorted((c for c in candidates if c is not chosen),
+                  key=lambda c: (preds[c.replica_id].score, c.recent, c.replica_id))
+    return Decision([[chosen.replica_id]] + ([[c.replica_id for c in rest]] if rest else []),
+                    preds[chosen.replica_id])
+
+
 def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,
          hint: Hint | None = None) -> list[list[str]]:
     """Replica ids in preference ranks: [[chosen], [the rest by score]]. tokens: the prompt's ids, or its length."""
-    if not candidates:
-        return []
-    candidates = with_peer_costs(candidates)
-    preds = {c.replica_id: predict(c, chain, tokens, knobs, hint).score for c in candidates}
-    tie = knobs.block_size * min((c.token_s if c.token_s is not None else knobs.token_s) for c in candidates)
-    best = min(preds.values())
-    chosen = min((c for c in candidates if preds[c.replica_id] <= best + tie), key=lambda c: (c.recent, c.replica_id))
-    rest = sorted((c for c in candidates if c is not chosen),
-                  key=lambda c: (preds[c.replica_id], c.recent, c.replica_id))
-    return [[chosen.replica_id]] + ([[c.replica_id for c in rest]] if rest else [])
+    return choose(candidates, chain, tokens, knobs, hint).ranks
 
 
 class RouterMemory:
@@ -343,4 +412,7 @@ class RouterMemory:
             queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
             recent=sum(1 for r in self._recent if r == replica_id),
             keys=frozenset(stats.get("keys", ())) | frozenset(self._keys.get(replica_id, ())),
-            host_marks=held[4], host_s_per_byte=stats.get("host_s_per_byte"))
+            host_marks=held[4], host_s_per_byte=stats.get("host_s_per_byte"),
+            can_fetch=bool(stats.get("can_fetch", False)), stored_marks=held[3],
+            state_bytes=int(stats.get("state_bytes", 0)), kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)),
+            fetch_costs={peer: tuple(cost) for peer, cost in (stats.get("fetch_costs") or {}).items()})

@@ -37,7 +37,22 @@ from app.cache.disk_format import (
     write_entry,
 )
 
-WRITER_NICE = 10  # the write-behind thread yields the CPU to the step thread and the API
+WRITER_NICE = 19  # where SCHED_IDLE is not there: the write-behind thread's nice value
+
+
+def _yield_cpu() -> None:
+    """Put the calling thread below every serving thread: Linux's SCHED_IDLE (it runs when a core would idle, e.g.
+    between steps), else the highest nice value; on Linux both apply to the thread alone (by its thread id)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass
@@ -108,10 +123,7 @@ class DiskTier:
                 "skipped_writes": dict(c.skipped_writes), "rejected": dict(c.rejected), "swept": dict(c.swept)}
 
     def _write_loop(self) -> None:
-        try:  # below the serving threads: on Linux a thread's own nice value (by its thread id)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (AttributeError, OSError):
-            pass
+        _yield_cpu()
         while True:
             if self.budget_bytes is not None and time.monotonic() - self._swept_at >= self.sweep_s:
                 self._swept_at = time.monotonic()

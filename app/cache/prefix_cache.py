@@ -18,7 +18,10 @@ layout stored checkpoints are in, so that no entry of another layout is ever loa
 With a disk tier (`disk`, app/cache/disk_tier.py) below, entries the host tier evicts are written behind, and
 `match` looks on disk when the host tier has nothing deeper: a disk entry is filed into the host tier, then promoted
 like any other. With the host tier off (`staging`), a checkpoint leaving the pools is copied from them and queued
-for the disk at once, and the host tier only stages disk hits on their way back.
+for the disk at once (if any), and the host tier only stages disk hits and peer fetches on their way in.
+
+Peer fetches (issue 40): `export_entry` gives a peer the deepest checkpoint of a prompt (pools or host tier) with its
+prefix's KV, as host tensors; `file_entry` files one that came in (or a disk hit) into the host tier.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class PrefixCache:
         self.counters = CacheCounters()
         self.host, self.io, self.layout = host, io, layout
         self.disk = None  # the disk tier below the host tier (app/cache/disk_tier.py), set by the engine
-        self.staging = False  # True: no host tier of its own: `host` only stages disk hits on their way back
+        self.staging = False  # True: no host tier of its own: `host` only stages disk hits and peer fetches
 
     # ------------------------------------------------------------------ lookup and sharing
     def match(self, tokens: list[int], limit: int | None = None, salt: str | None = None) -> MatchResult:
@@ -97,22 +100,47 @@ class PrefixCache:
         if found is None or not self._fits(*found):
             return None
         header, tensors = found
-        d = self.host.admit(salt, header["tokens"], self.layout, self.checkpoints.bytes_per_slot, header.get("kind"))
+        return self.file_entry(salt, header["tokens"], header.get("kind"), tensors)
+
+    def file_entry(self, salt: str | None, tokens: list[int], kind: str | None, tensors: dict[str, torch.Tensor]
+                   ) -> HostEntry | None:
+        """File an entry that came from outside the pools (a disk hit, a peer's export: `HostStore.export`'s names,
+        host tensors, shapes already checked) into the host tier, where `match` and `promote` find it; None if it
+        does not fit the tier."""
+        d = self.host.admit(salt, tokens, self.layout, self.checkpoints.bytes_per_slot, kind)
         self._let_go(d)
         if d.entry is None:
             return None
         self.io.host.adopt(d.entry.id, tensors, list(d.entry.blocks), d.new_blocks, self.host.block)
         return d.entry
 
+    def export_entry(self, tokens: list[int], limit: int, salt: str | None
+                     ) -> tuple[list[int], str | None, dict[str, torch.Tensor]] | None:
+        """The deepest checkpoint of `salt` that `tokens` starts with, at most `limit` deep, from the pools or the
+        host tier, as (its tokens, its kind, host tensors in `HostStore.export`'s names): what a peer fetches.
+        None when neither holds one."""
+        res = self.tree.match(tokens, limit, salt=salt)
+        entry = self.host.find(tokens, limit, salt, self.layout) if self.host is not None else None
+        if entry is not None and entry.depth > res.checkpoint_len:
+            return list(entry.tokens), entry.kind, self.io.host.export(entry.id)
+        node = res.checkpoint_node
+        if node is None:
+            return None
+        return self.tree.path(node)[1], node.ckpt_kind, self._pool_entry(node)
+
     def _fits(self, header: dict, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether a disk entry's tensors have this engine's shapes and dtypes (the fingerprints say they should)."""
-        rows, depth = self.io.codec.export(0), len(header["tokens"])
-        want = {f"state.{i}": (r.shape, r.dtype) for i, r in enumerate(rows)}
-        want |= {f"kv.{layer}": (torch.Size([depth, t.shape[1]]), t.dtype) for layer, t in self.io.kv.storage.items()}
-        ok = {n: (t.shape, t.dtype) for n, t in tensors.items()} == want
+        ok = self.fits(len(header["tokens"]), tensors)
         if not ok:
             self.disk.counters.rejected["shape"] = self.disk.counters.rejected.get("shape", 0) + 1
         return ok
+
+    def fits(self, depth: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether an entry's tensors of `depth` tokens have this engine's names, shapes and dtypes."""
+        rows = self.io.codec.export(0)
+        want = {f"state.{i}": (r.shape, r.dtype) for i, r in enumerate(rows)}
+        want |= {f"kv.{layer}": (torch.Size([depth, t.shape[1]]), t.dtype) for layer, t in self.io.kv.storage.items()}
+        return {n: (t.shape, t.dtype) for n, t in tensors.items()} == want
 
     def _let_go(self, d) -> None:
         """The entries a host-tier admission evicted: written behind to the disk tier (if any), then dropped."""
@@ -279,10 +307,10 @@ class PrefixCache:
             for drops in (self.counters.unused_drops_by_kind,
                           *(() if node.discarded else (self.counters.unused_evictions_by_kind,))):
                 drops[node.ckpt_kind] = drops.get(node.ckpt_kind, 0) + 1
-        if self.staging and not node.discarded:  # no host tier of its own: straight on to the disk tier
+        if self.staging and self.disk is not None and not node.discarded:  # no host tier of its own: to disk
             salt, tokens = self.tree.path(node)
             self.disk.put(salt, tokens, node.ckpt_kind, self._pool_entry(node))
-        elif self.host is not None and not node.discarded:
+        elif self.host is not None and not self.staging and not node.discarded:
             self._demote(node)
 
     def _demote(self, node: Node) -> None:

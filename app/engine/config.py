@@ -67,6 +67,8 @@ class EngineConfig:
     disk_dir: str | None = knob(None, "disk tier directory: entries the host tier evicts (with host_mb 0, those the "
                                       "pools evict) are written there behind the serving path and found again after "
                                       "a restart (needs one worker and the secret in DASC_DISK_SECRET; unset: off)")
+    peer_fetch: bool = knob(False, "take checkpoints a peer replica exports when the router sends a request with "
+                                   "a fetch (issue 40); with host_mb 0, a staging area holds them until loaded")
     disk_mb: float = knob(4096.0, "disk tier budget in MiB (the oldest entries go beyond it)", ge=0)
     disk_ttl_s: float = knob(7 * 24 * 3600.0, "disk tier entries older than this are removed", ge=0)
     interval: int = knob(0, "checkpoint every N aligned tokens in prefill and decode (0: only prompt ends, branch "

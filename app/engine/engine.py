@@ -50,12 +50,14 @@ class Engine:
         cfg = cfg or EngineConfig()
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.worker = worker or Worker(model, cfg, codec)
+        staged = cfg.disk_dir or (cfg.peer_fetch and isinstance(self.worker, Worker))
         host = HostTier(self._host_bytes(cfg, model), self.worker.kv.bytes_per_token) if cfg.host_mb > 0 or \
-            cfg.disk_dir else None
+            staged else None
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg), host,
                                  self.worker, _layout(cfg))
+        self.model_fp = model_fingerprint(self.model, dataclasses.asdict(self.model.config))
         self.cache.disk = self._disk_tier(cfg) if cfg.disk_dir else None
-        self.cache.staging = bool(cfg.disk_dir) and cfg.host_mb <= 0
+        self.cache.staging = bool(staged) and cfg.host_mb <= 0
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
         self.scheduler.drafter = NgramDrafter(cfg) if cfg.spec == "ngram" else None
         self.checkpoints = Checkpointing(cfg, self.cache, self.worker, self.scheduler)
@@ -83,8 +85,9 @@ class Engine:
         return FlopAwareSelect(*_flops_per_token(self.model), self.worker.codec.bytes_per_slot, cfg.flop_alpha)
 
     def _host_bytes(self, cfg: EngineConfig, model: HybridForCausalLM) -> int:
-        """The host tier's budget: `host_mb`; with the host tier off and a disk tier on, a staging area for disk hits on
-        their way back to the pools: two entries at the longest prefix the KV pool holds."""
+        """The host tier's budget: `host_mb`; with the host tier off and a disk tier or peer fetches on, a staging area
+        for disk hits and fetched entries on their way to the pools: two entries at the longest prefix the KV pool
+        holds."""
         if cfg.host_mb > 0:
             return int(cfg.host_mb * 2**20)
         longest = min(cfg.kv_slots, cfg.max_model_len or _model_len(model))
@@ -97,7 +100,6 @@ class Engine:
             raise ValueError(f"disk_dir: set the deployment secret in the environment variable {DISK_SECRET_ENV}")
         if not isinstance(self.worker, Worker):
             raise ValueError("disk_dir: the disk tier runs with one worker (tp 1)")
-        self.model_fp = model_fingerprint(self.model, dataclasses.asdict(self.model.config))
         return DiskTier(cfg.disk_dir, secret.encode(), self.model_fp, _codec_fp(cfg),
                         budget_bytes=int(cfg.disk_mb * 2**20), ttl_s=cfg.disk_ttl_s)
 
@@ -110,6 +112,34 @@ class Engine:
         self.cache.persist(time.monotonic() + timeout_s)
         self.cache.disk.flush()
         return self.cache.disk.counters.writes - before
+
+    def export_entry(self, tokens: list[int], limit: int, salt: str | None) -> dict | None:
+        """What a peer fetches (issue 40): the deepest checkpoint of `salt` that `tokens` starts with, at most `limit`
+        deep, with its prefix's KV, as host tensors, and the fingerprints and salt it is valid for; None when this
+        engine holds none (or runs TP > 1). Call it between steps."""
+        found = self.cache.export_entry(tokens, limit, salt) if isinstance(self.worker, Worker) else None
+        if found is None:
+            return None
+        entry_tokens, kind, tensors = found
+        return {"model": self.model_fp, "codec": _codec_fp(self.cfg), "salt": salt, "tokens": entry_tokens,
+                "kind": kind, "tensors": tensors}
+
+    def import_entry(self, entry: dict, prompt: list[int], salt: str | None) -> str | None:
+        """File a peer's `export_entry` for a request of `prompt` under `salt` into the host tier (its admission then
+        loads it); None when filed, else why not: another model or codec (fingerprints), another salt, tokens that do
+        not start the prompt, tensors of other shapes, no room. Call it between steps."""
+        if self.cache.host is None or not isinstance(self.worker, Worker):
+            return "no host tier"
+        tokens = entry.get("tokens") or []
+        if entry.get("model") != self.model_fp or entry.get("codec") != _codec_fp(self.cfg):
+            return "foreign"
+        if entry.get("salt") != salt or prompt[: len(tokens)] != tokens or not tokens:
+            return "mismatched"
+        if not self.cache.fits(len(tokens), entry["tensors"]):
+            return "shape"
+        if self.cache.file_entry(salt, tokens, entry.get("kind"), entry["tensors"]) is None:
+            return "no room"
+        return None
 
     def retune(self, **changes) -> None:
         """Apply new knobs between steps: flat `EngineConfig` fields (w_max, policy, quant, layout, selector,

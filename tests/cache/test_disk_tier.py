@@ -143,3 +143,12 @@ def test_close_writes_what_is_queued_then_ends_the_writer(tmp_path):
     tier.close()
     assert tier.counters.writes == 1 and not tier._writer.is_alive()
     assert not tier.put(None, TOKENS[:120], None, _state(2.0)) and tier.counters.skipped_writes == {"closed": 1}
+
+
+def test_the_writer_thread_runs_only_on_idle_cpu(tmp_path):
+    """SCHED_IDLE (Linux): the write-behind thread never takes a core from the step thread or the API."""
+    tier = _tier(tmp_path)
+    tier.put(None, TOKENS[:100], None, _state(1.0))
+    tier.flush()
+    assert os.sched_getscheduler(tier._writer.native_id) == os.SCHED_IDLE
+    tier.close()

@@ -9,18 +9,15 @@ from __future__ import annotations
 import os
 
 import pytest
-from ray import serve
 
 from app.engine.engine import DISK_SECRET_ENV
-from deployments.builder import build_app
 from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixture used here
     _client,
-    _kill_controller,
     _prompt,
     _replicas,
     _wait_for,
-    _wait_ready,
     cluster,
+    served,
 )
 
 pytestmark = pytest.mark.slow
@@ -40,37 +37,27 @@ def disk_cluster(request, tmp_path_factory):
             os.environ[DISK_SECRET_ENV] = before
 
 
-def _deploy(url: str, root) -> None:
-    serve.run(build_app({
-        "model": "kda-tiny", "replicas": 2, "replica_cpus": 0.5,
-        "engine": {"checkpoint_budget_mb": 8, "disk_dir": str(root), "compile_decode": False,
-                   "compile_prefill": False},
-        "controller": {"enabled": False, "window_s": 0.5},
-        "api": {"api_key": "test-key"},
-    }), name="dasc", route_prefix="/")
-    _wait_ready(url)
-    _wait_for(lambda: len(_replicas(url)) == 2, "both replicas push telemetry")
+def _args(root) -> dict:
+    return {"model": "kda-tiny", "replicas": 2, "replica_cpus": 0.5,
+            "engine": {"checkpoint_budget_mb": 8, "disk_dir": str(root), "compile_decode": False,
+                       "compile_prefill": False},
+            "controller": {"enabled": False, "window_s": 0.5}, "api": {"api_key": "test-key"}}
 
 
 def test_a_full_restart_resumes_every_prefix_from_disk_with_the_same_answers(disk_cluster):
     url, root = disk_cluster
     prompts = [_prompt(900 + i) for i in range(4)]
-    _deploy(url, root)
     c = _client(url)
-    try:
+    with served(url, _args(root)):  # leaving it: every replica stops gracefully, drains, then persists
         before = [c.completions.create(model="kda-tiny", prompt=p, max_tokens=6, temperature=0) for p in prompts]
         assert all(r.usage.prompt_tokens_details.cached_tokens == 0 for r in before)
-        serve.delete("dasc")  # every replica stops gracefully: drains, then persists
-        _kill_controller()
-        assert list(root.rglob("*.ckpt")), "the stopped replicas wrote their checkpoints"
-        _deploy(url, root)
+    assert list(root.rglob("*.ckpt")), "the stopped replicas wrote their checkpoints"
+    with served(url, _args(root)):
         after = [c.completions.create(model="kda-tiny", prompt=p, max_tokens=6, temperature=0) for p in prompts]
         assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
         for r in after:
             assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 64, r.usage
-        hits = _wait_for(lambda: sum((s.get("disk_tier") or {}).get("hits", 0) for s in _replicas(url).values())
-                         or None, "the replicas report their disk hits")
-        assert hits >= len(prompts)
-    finally:
-        serve.delete("dasc")
-        _kill_controller()
+        def hits() -> int:
+            return sum((s.get("disk_tier") or {}).get("hits", 0) for s in _replicas(url).values())
+
+        _wait_for(lambda: hits() >= len(prompts) or None, "the replicas report a disk hit per prompt")

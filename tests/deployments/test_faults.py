@@ -33,6 +33,7 @@ from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixtur
     _wait_for,
     _wait_ready,
     cluster,
+    served,
 )
 
 pytestmark = pytest.mark.slow
@@ -41,19 +42,15 @@ PINNED = {"w_max": 64, "policy": "nr", "interval": 0, "lookback": 64}
 
 @pytest.fixture(scope="module")
 def app(cluster):  # noqa: F811 - the imported fixture
-    serve.run(build_app({
+    with served(cluster, {
         "model": "kda-tiny", "replicas": 2, "replica_cpus": 0.5,
         "health_check_period_s": 1.0, "health_check_timeout_s": 10.0,
         "engine": {"checkpoint_budget_mb": 8},
         "router": {"stats_period_s": 0.5},
         "controller": {"enabled": False, "window_s": 0.5},
         "api": {"api_key": "test-key", "max_tokens_limit": 2000},
-    }), name="dasc", route_prefix="/")
-    _wait_ready(cluster)
-    _wait_for(lambda: len(_replicas(cluster)) == 2, "both replicas push telemetry")
-    yield cluster
-    serve.delete("dasc")
-    _kill_controller()
+    }):
+        yield cluster
 
 
 def _reported_after(url: str, since: float, n: int = 2) -> dict:

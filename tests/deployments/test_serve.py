@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import jsonschema
@@ -89,21 +90,30 @@ def cluster():
         ray.shutdown()
 
 
+@contextmanager
+def served(url: str, args: dict, replicas: int = 2):
+    """`build_app(args)` deployed as "dasc" on the cluster at `url` until the block ends (every replica reporting
+    telemetry first); then deleted, with its controller."""
+    serve.run(build_app(args), name="dasc", route_prefix="/")
+    try:
+        _wait_ready(url)
+        _wait_for(lambda: len(_replicas(url)) == replicas, f"{replicas} replicas push telemetry")
+        yield url
+    finally:
+        serve.delete("dasc")
+        _kill_controller()
+
+
 @pytest.fixture(scope="module")
 def server(cluster):
-    app = build_app({
+    with served(cluster, {
         "model": "kda-tiny", "replicas": 2, "replica_cpus": 0.5,
         "engine": {"checkpoint_budget_mb": 8},
         "router": {"stats_period_s": 0.5},
         "controller": {"enabled": False, "window_s": 0.5},
         "api": {"api_key": KEY, "max_prompt_tokens": 2048, "max_tokens_limit": LONG},
-    })
-    serve.run(app, name="dasc", route_prefix="/")
-    _wait_ready(cluster)
-    _wait_for(lambda: len(_replicas(cluster)) == 2, "both replicas push telemetry")
-    yield cluster
-    serve.delete("dasc")
-    _kill_controller()
+    }):
+        yield cluster
 
 
 def _kill_controller() -> None:

@@ -1,0 +1,143 @@
+"""Peer fetches (issue 40): a replica pulls, before a request starts, the checkpoint a peer holds for its prompt, when
+the router priced that below queueing at the holder and below recomputing (`routing_policy.choose`, which sets
+`GenerateRequest.fetch`).
+
+- The fetcher calls the holder's `export_entry` through a DeploymentHandle with an `ExportRequest` naming the
+  holder, which our router sends to that replica alone. The holder's engine exports between two steps (at the cost
+  of at most one step): the deepest checkpoint of the request's salt the prompt starts with, from its pools or its
+  host tier, with its prefix's KV, as host tensors (`Engine.export_entry`). They travel as raw bytes (`pack`, numpy
+  uint8 views: Ray's object store takes them out of band, without pickling tensors) and come back as tensors
+  (`unpack`).
+- The fetcher files the entry into its host tier (`Engine.import_entry`: fingerprints, salt and tokens checked);
+  the request's admission then loads it as any host-tier hit.
+- Bounded: a fetch gives up after `timeout_s`; at most `max_inflight` run at once (more: the request recomputes);
+  the router caps an entry's bytes (`RouterKnobs.fetch_max_bytes`). Any failure (timeout, a holder that died
+  mid-fetch, nothing held any more, a refused entry) is counted by reason and costs the request a recompute, never
+  an error.
+- Measured: each fetch's bytes and seconds, per holder; `LinkCosts` fits a fixed cost and a cost per byte, which the
+  replica publishes for the router (`fetch_costs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from deployments.messages import ExportRequest, GenerateRequest
+
+FETCH_TIMEOUT_S = 5.0
+MAX_INFLIGHT = 2
+SAMPLES = 32  # fetches per holder kept for the cost fit
+DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+                              torch.int64)}
+
+
+def pack(entry: dict) -> dict:
+    """`Engine.export_entry`'s entry with each tensor as (dtype name, shape, its bytes as a numpy uint8 array)."""
+    tensors = {n: (str(t.dtype), list(t.shape), t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
+               for n, t in entry["tensors"].items()}
+    return {**entry, "tensors": tensors}
+
+
+def unpack(wire: dict) -> dict:
+    """`pack`'s inverse (the tensors view the arrays Ray delivered, copied only if read-only)."""
+    tensors = {}
+    for name, (dtype, shape, raw) in wire["tensors"].items():
+        raw = np.asarray(raw, dtype=np.uint8)
+        raw = raw if raw.flags.writeable else raw.copy()
+        tensors[name] = torch.from_numpy(raw).view(DTYPES[dtype]).reshape(shape)
+    return {**wire, "tensors": tensors}
+
+
+def nbytes(entry: dict) -> int:
+    return sum(t.nbytes for t in entry["tensors"].values())
+
+
+class LinkCosts:
+    """Per holder, the latest fetches' (bytes, seconds), fitted as seconds = fixed + per_byte x bytes (least squares;
+    with one size only, `per_byte` is the default and `fixed` takes the rest)."""
+
+    def __init__(self, default_per_byte: float = 1e-9) -> None:
+        self.default_per_byte = default_per_byte
+        self._samples: dict[str, deque] = {}
+
+    def add(self, peer: str, size: int, seconds: float) -> None:
+        self._samples.setdefault(peer, deque(maxlen=SAMPLES)).append((size, seconds))
+
+    def fit(self, peer: str) -> tuple[float, float] | None:
+        samples = self._samples.get(peer)
+        if not samples:
+            return None
+        xs, ys = [s for s, _ in samples], [t for _, t in samples]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        per_byte = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else self.default_per_byte
+        per_byte = max(per_byte, 0.0)
+        return max(my - per_byte * mx, 0.0), per_byte
+
+    def all(self) -> dict[str, tuple[float, float]]:
+        return {peer: self.fit(peer) for peer in self._samples}
+
+
+class PeerFetcher:
+    """One replica's fetches. `peers()`: a DeploymentHandle to the engine replicas (made on first use); `engine`:
+    the replica's AsyncEngine."""
+
+    def __init__(self, replica_id: str, engine, peers, timeout_s: float = FETCH_TIMEOUT_S,
+                 max_inflight: int = MAX_INFLIGHT) -> None:
+        self.replica_id, self.engine, self._peers = replica_id, engine, peers
+        self.timeout_s, self.max_inflight = timeout_s, max_inflight
+        self.links = LinkCosts()
+        self._inflight = 0
+        self.counters = {"fetches": 0, "fetched_bytes": 0, "fetch_s": 0.0, "failed": {}}
+
+    async def fetch(self, request: GenerateRequest, tail: int) -> bool:
+        """Pull the checkpoint `request.fetch` names into the engine's host tier; False (counted) if it did not come."""
+        holder = request.fetch[0]
+        if holder == self.replica_id:
+            return self._fail("self")
+        if self._inflight >= self.max_inflight:
+            return self._fail("busy")
+        ask = ExportRequest(holder, request.prompt_ids, len(request.prompt_ids) - 1 - tail,
+                            request.params.cache_salt)
+        self._inflight += 1
+        start = time.perf_counter()
+        try:
+            response = self._peers().export_entry.remote(ask)
+            try:
+                wire = await asyncio.wait_for(asyncio.shield(_result(response)), self.timeout_s)
+            except asyncio.TimeoutError:
+                response.cancel()
+                return self._fail("timeout")
+            except Exception:  # noqa: BLE001 - the holder died or failed mid-fetch: recompute
+                return self._fail("holder")
+            if wire is None:
+                return self._fail("not_held")
+            entry = unpack(wire)
+            why = await asyncio.to_thread(self.engine.call, lambda e: e.import_entry(entry, request.prompt_ids,
+                                                                                     request.params.cache_salt))
+            if why is not None:
+                return self._fail(why)
+        finally:
+            self._inflight -= 1
+        seconds, size = time.perf_counter() - start, nbytes(entry)
+        self.links.add(holder, size, seconds)
+        self.counters["fetches"] += 1
+        self.counters["fetched_bytes"] += size
+        self.counters["fetch_s"] += seconds
+        return True
+
+    def _fail(self, reason: str) -> bool:
+        self.counters["failed"][reason] = self.counters["failed"].get(reason, 0) + 1
+        return False
+
+    def stats(self) -> dict:
+        return {**self.counters, "failed": dict(self.counters["failed"]), "fetch_costs": self.links.all()}
+
+
+async def _result(response):
+    return await response

@@ -1,0 +1,89 @@
+"""Peer fetches behind real Ray Serve on loopback (issue 40): one replica holds a long prefix; a burst of requests
+sharing it, each with its own long question, queues there, so the router has the other replica pull the prefix's
+checkpoint from the holder (through Ray's object store) instead of recomputing it. Requests answered there report
+the prefix as cached although that replica never computed it; /status shows the fetches. Then the holder is killed
+while a burst runs: fetches from it fail over to recomputing and no request is lost."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+
+from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixture used here
+    _client,
+    _replicas,
+    _wait_for,
+    cluster,
+    served,
+)
+
+pytestmark = pytest.mark.slow
+PREFIX = "\n".join(f"shared_{i} = {random.Random(i).randint(0, 99999)}" for i in range(220))
+
+
+def _question(k: int) -> str:
+    rng = random.Random(1000 + k)
+    return PREFIX + "\n" + "\n".join(f"ask_{k}_{i} = {rng.randint(0, 999)}" for i in range(50))
+
+
+@pytest.fixture(scope="module")
+def app(cluster):  # noqa: F811 - the imported fixture
+    with served(cluster, {
+        "model": "kda-tiny", "replicas": 2, "replica_cpus": 0.5,
+        "engine": {"checkpoint_budget_mb": 8, "peer_fetch": True, "compile_decode": False, "compile_prefill": False},
+        "router": {"stats_period_s": 0.5, "fetch_fixed_s": 0.0},
+        "controller": {"enabled": False, "window_s": 0.5},
+        "api": {"api_key": "test-key", "max_prompt_tokens": 4096},
+    }):
+        yield cluster
+
+
+def _burst(url: str, ks: list[int]) -> list:
+    c = _client(url)
+    with ThreadPoolExecutor(len(ks)) as pool:
+        return list(pool.map(lambda k: c.completions.create(model="kda-tiny", prompt=_question(k), max_tokens=2,
+                                                            temperature=0), ks))
+
+
+def _fetches(url: str) -> int:
+    return sum((s.get("peer_fetch") or {}).get("fetches", 0) for s in _replicas(url).values())
+
+
+def test_a_busy_holders_prefix_is_fetched_by_the_idle_replica(app):
+    c = _client(app)
+    warm = c.completions.create(model="kda-tiny", prompt=PREFIX, max_tokens=1, temperature=0)
+    holder = warm.system_fingerprint
+    prefix_tokens = warm.usage.prompt_tokens
+    time.sleep(1.5)  # the holder's routing stats publish the prefix's checkpoint
+    answers = _burst(app, list(range(12)))
+    elsewhere = [r for r in answers if r.system_fingerprint != holder]
+    assert elsewhere, "the burst stayed on the holder"
+    fetched = [r for r in elsewhere if r.usage.prompt_tokens_details.cached_tokens >= prefix_tokens - 64]
+    assert fetched, [(r.system_fingerprint, r.usage.prompt_tokens_details.cached_tokens) for r in answers]
+    assert _wait_for(lambda: _fetches(app) or None, "the fetches reported") >= 1
+
+
+def test_a_holder_killed_during_a_burst_loses_no_request(app):
+    c = _client(app)
+    holder = c.completions.create(model="kda-tiny", prompt=PREFIX + "\nagain", max_tokens=1,
+                                  temperature=0).system_fingerprint.removeprefix("dasc-")
+    with ThreadPoolExecutor(1) as killer:
+        pending = killer.submit(lambda: _kill_replica(holder))
+        answers = _burst(app, list(range(100, 112)))
+        pending.result()
+    assert len(answers) == 12 and all(r.choices[0].text is not None for r in answers)
+
+
+def _kill_replica(replica: str) -> None:
+    """Kill the replica actor named `replica` (its unique id ends the actor's name) a moment into the burst."""
+    from ray._private.state import actors
+
+    time.sleep(0.3)
+    for a in actors(actor_state_name="ALIVE").values():
+        if a["ActorClassName"].endswith("EngineReplica") and a["Name"].endswith(replica):
+            ray.kill(ray.get_actor(a["Name"], namespace="serve"), no_restart=True)
+            return
