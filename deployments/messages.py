@@ -25,6 +25,9 @@ class GenerateRequest:
     resume: tuple[str, int, int, float] | None = None
     # the router's: (the peer replica to pull this prompt's checkpoint from first, its bytes); see peer_fetch.py
     fetch: tuple[str, int] | None = None
+    # a handle caller's (benchmarks, operators): the replica that must serve it; the router then leaves `fetch` as
+    # the caller set it. Never set from the API.
+    route_to: str | None = None
 
 
 @dataclass

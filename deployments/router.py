@@ -44,8 +44,9 @@ class PrefixAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         req = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(req, ExportRequest):  # a peer fetch goes to the replica it names (if it is still there)
-            named = [r for r in candidate_replicas if r.replica_id.unique_id == req.target]
+        target = req.target if isinstance(req, ExportRequest) else getattr(req, "route_to", None)
+        if target is not None:  # a peer fetch, or a pinned request, goes to the replica it names (if still there)
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [named] if named else [candidate_replicas]
         chain, tokens = _request(pending_request, self.knobs.block_size)
         hint = self._hint(pending_request)

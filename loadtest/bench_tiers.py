@@ -46,6 +46,7 @@ from app.engine.engine import DISK_SECRET_ENV, Engine
 from app.engine.request import SamplingParams
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
+from loadtest import tiers_peer
 from loadtest.common import start_run, table
 from loadtest.sections import publish
 from loadtest.workloads import text_block
@@ -269,6 +270,31 @@ def report_disk(seeds: list[dict]) -> str:
     return md + "\n\n" + "\n".join(lines) + "\n"
 
 
+def report_peer(results: dict) -> str:
+    """The peer section's tables: per arm and prompt length, the medians over repeats; the hot prefix per arm."""
+    rows = []
+    for arm, res in results.items():
+        for n in sorted({t["tokens"] for t in res["trials"]}):
+            ts = [t for t in res["trials"] if t["tokens"] == n]
+            fetch, cold = statistics.median(t["fetch_s"] for t in ts), statistics.median(t["recompute_s"] for t in ts)
+            rows.append([arm, n, res["nodes"], fetch * 1e3, cold * 1e3,
+                         statistics.median(t["fetch_s"] / t["recompute_s"] for t in ts),
+                         statistics.median(t["bytes"] for t in ts) / 2**20,
+                         statistics.median(t["cached"] for t in ts)])
+    md = "One request: fetch against recompute on the fetching replica (medians over repeats).\n\n" + table(
+        ["arm", "prompt tokens", "nodes", "TTFT fetch ms", "TTFT recompute ms", "fetch / recompute", "MB moved",
+         "cached tokens"], rows)
+    hot = [[arm, res["hot"]["ttft_mean_s"] * 1e3, res["hot"]["ttft_p90_s"] * 1e3, res["hot"]["replicas_used"],
+            res["hot"]["cached_mean"]] for arm, res in results.items()]
+    md += "\n\nHot prefix: concurrent requests sharing one prefix held by one replica.\n\n" + table(
+        ["arm", "TTFT mean ms", "TTFT p90 ms", "replicas used", "cached tokens (mean)"], hot)
+    on, off = results.get("dense/fetch", {}).get("hot"), results.get("dense/no fetch", {}).get("hot")
+    if on and off:
+        md += (f"\n\nHot prefix, dense: mean TTFT with fetches {on['ttft_mean_s'] / off['ttft_mean_s']:.2f}x "
+               f"without, p90 {on['ttft_p90_s'] / off['ttft_p90_s']:.2f}x.")
+    return md + "\n"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
@@ -278,7 +304,14 @@ def main(argv=None) -> None:
     p.add_argument("--min-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=3000)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--section", choices=("host", "disk"), default="host")
+    p.add_argument("--section", choices=("host", "disk", "peer"), default="host")
+    p.add_argument("--config", default="configs/config.yaml")
+    p.add_argument("--peer-lengths", type=int, nargs="+", default=[1024, 2048, 3072])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hot-tokens", type=int, default=2048)
+    p.add_argument("--hot-requests", type=int, default=16)
+    p.add_argument("--hot-suffix-tokens", type=int, default=256)
     p.add_argument("--restart-prefixes", type=int, default=24)
     p.add_argument("--restart-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=16)
@@ -286,6 +319,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = start_run("bench_tiers", {k: v for k, v in vars(args).items() if k != "out"}, argv)
+    if args.section == "peer":
+        results = tiers_peer.run(args)
+        publish(record, f"{args.model}/peer", results, report_peer(results), args.out,
+                "Cache tiers: the host tier under the reuse-distance replay",
+                "Peer fetches: a checkpoint pulled from the replica that holds it")
+        return
     model_dir = resolve_model_dir(args.model)
     model, tok = load_model(model_dir, torch.float32), Tokenizer.from_dir(model_dir)
     if args.section == "disk":

@@ -67,17 +67,6 @@ def test_a_busy_holders_prefix_is_fetched_by_the_idle_replica(app):
     assert _wait_for(lambda: _fetches(app) or None, "the fetches reported") >= 1
 
 
-def test_a_holder_killed_during_a_burst_loses_no_request(app):
-    c = _client(app)
-    holder = c.completions.create(model="kda-tiny", prompt=PREFIX + "\nagain", max_tokens=1,
-                                  temperature=0).system_fingerprint.removeprefix("dasc-")
-    with ThreadPoolExecutor(1) as killer:
-        pending = killer.submit(lambda: _kill_replica(holder))
-        answers = _burst(app, list(range(100, 112)))
-        pending.result()
-    assert len(answers) == 12 and all(r.choices[0].text is not None for r in answers)
-
-
 def _kill_replica(replica: str) -> None:
     """Kill the replica actor named `replica` (its unique id ends the actor's name) a moment into the burst."""
     from ray._private.state import actors
@@ -87,3 +76,42 @@ def _kill_replica(replica: str) -> None:
         if a["ActorClassName"].endswith("EngineReplica") and a["Name"].endswith(replica):
             ray.kill(ray.get_actor(a["Name"], namespace="serve"), no_restart=True)
             return
+
+
+def test_a_pinned_request_with_a_fetch_resumes_on_the_other_replica_from_the_holders_checkpoint(app):
+    """Through a handle (as the benchmark does): a request pinned (`route_to`) to the replica that never saw the
+    prompt, told to fetch from the one that did, resumes from the fetched checkpoint with the holder's answer."""
+    from ray import serve
+
+    from app.engine.request import SamplingParams
+    from app.models.loader import resolve_model_dir
+    from app.models.tokenizer import Tokenizer
+    from deployments.messages import GenerateRequest
+
+    handle = serve.get_deployment_handle("EngineReplica", "dasc").options(stream=True)
+    holder, fetcher = sorted(_replicas(app))
+    text = "\n".join(f"pinned_{i} = {random.Random(7 + i).randint(0, 99999)}" for i in range(200))
+    prompt = Tokenizer.from_dir(resolve_model_dir("kda-tiny")).encode(text)  # shares nothing with PREFIX
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def ask(replica: str, fetch: str | None = None) -> dict:
+        outs = list(handle.generate.remote(GenerateRequest(prompt, params, route_to=replica,
+                                                           fetch=(fetch, 0) if fetch else None)))
+        assert {o["replica"] for o in outs} == {replica}
+        return {"cached": outs[0]["cached_tokens"], "ids": [t for o in outs for t in o["new_token_ids"]]}
+
+    cold = ask(holder)
+    assert cold["cached"] == 0
+    fetched = ask(fetcher, fetch=holder)
+    assert fetched["cached"] >= len(prompt) - 64 and fetched["ids"] == cold["ids"]
+
+
+def test_a_holder_killed_during_a_burst_loses_no_request(app):
+    c = _client(app)
+    holder = c.completions.create(model="kda-tiny", prompt=PREFIX + "\nagain", max_tokens=1,
+                                  temperature=0).system_fingerprint.removeprefix("dasc-")
+    with ThreadPoolExecutor(1) as killer:
+        pending = killer.submit(lambda: _kill_replica(holder))
+        answers = _burst(app, list(range(100, 112)))
+        pending.result()
+    assert len(answers) == 12 and all(r.choices[0].text is not None for r in answers)
