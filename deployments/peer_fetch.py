@@ -10,6 +10,7 @@ the router priced that below queueing at the holder and below recomputing (`rout
   (`unpack`).
 - The fetcher files the entry into its host tier (`Engine.import_entry`: fingerprints, salt and tokens checked);
   the request's admission then loads it as any host-tier hit.
+- Shared: a request whose entry (same holder, salt and prefix) is being fetched already waits for that fetch.
 - Bounded: a fetch gives up after `timeout_s`; at most `max_inflight` run at once (more: the request recomputes);
   the router caps an entry's bytes (`RouterKnobs.fetch_max_bytes`). Any failure (timeout, a holder that died
   mid-fetch, nothing held any more, a refused entry) is counted by reason and costs the request a recompute, never
@@ -93,17 +94,35 @@ class PeerFetcher:
         self.timeout_s, self.max_inflight = timeout_s, max_inflight
         self.links = LinkCosts()
         self._inflight = 0
-        self.counters = {"fetches": 0, "fetched_bytes": 0, "fetch_s": 0.0, "failed": {}}
+        self._pending: dict[tuple, asyncio.Future] = {}  # fetches under way, by (holder, salt, depth, prefix hash)
+        self.counters = {"fetches": 0, "fetched_bytes": 0, "fetch_s": 0.0, "joined": 0, "failed": {}}
 
     async def fetch(self, request: GenerateRequest, tail: int) -> bool:
-        """Pull the checkpoint `request.fetch` names into the engine's host tier; False (counted) if it did not come."""
-        holder = request.fetch[0]
+        """Pull the checkpoint `request.fetch` names into the engine's host tier; False (counted) if it did not come.
+        Requests whose fetch is already under way (the same holder, salt and prefix) wait for that one instead of
+        pulling the same entry again (or recomputing it because the in-flight cap is reached)."""
+        holder, depth = request.fetch[0], (request.fetch[2] if len(request.fetch) > 2 else 0)
         if holder == self.replica_id:
             return self._fail("self")
+        limit = len(request.prompt_ids) - 1 - tail
+        depth = min(depth or limit, limit)
+        key = (holder, request.params.cache_salt, depth, hash(tuple(request.prompt_ids[:depth])))
+        joined = self._pending.get(key)
+        if joined is not None:
+            self.counters["joined"] += 1
+            return await asyncio.shield(joined)
         if self._inflight >= self.max_inflight:
             return self._fail("busy")
-        ask = ExportRequest(holder, request.prompt_ids, len(request.prompt_ids) - 1 - tail,
-                            request.params.cache_salt)
+        self._pending[key] = asyncio.get_running_loop().create_future()
+        try:
+            done = await self._pull(request, holder, limit)
+        finally:
+            future = self._pending.pop(key)
+        future.set_result(done)
+        return done
+
+    async def _pull(self, request: GenerateRequest, holder: str, limit: int) -> bool:
+        ask = ExportRequest(holder, request.prompt_ids, limit, request.params.cache_salt)
         self._inflight += 1
         start = time.perf_counter()
         try:

@@ -58,7 +58,7 @@ class PrefixAwareRouter(RequestRouter):
         ranks = decision.ranks
         if isinstance(req, GenerateRequest):  # the chosen replica pulls a peer's checkpoint first, or not
             p = decision.prediction
-            req.fetch = (p.fetch_from, p.fetch_bytes) if p is not None and p.fetch_from is not None else None
+            req.fetch = (p.fetch_from, p.fetch_bytes, p.checkpointed) if p is not None and p.fetch_from else None
         request_id = pending_request.metadata.request_id if pending_request is not None else None
         if ranks and request_id is not None and self._decided.get(request_id) != ranks[0][0]:
             self._remember(candidates[ranks[0][0]], chain, tokens, hint, confirmed=False, p=decision.prediction)

@@ -135,3 +135,24 @@ def test_pack_round_trips_every_dtype_and_the_link_cost_fit():
     fixed, per_byte = links.fit("a")
     assert abs(fixed - 0.01) < 1e-9 and abs(per_byte - 2e-9) < 1e-15
     assert links.fit("nobody") is None
+
+
+def test_requests_sharing_a_fetch_under_way_wait_for_it_instead_of_pulling_again(holder):
+    """A burst on one prefix: the first request pulls the entry, the others join that fetch (one call to the
+    holder, nothing recomputed for want of an in-flight slot), and every one of them resumes from it."""
+    engine, prompt = holder
+    wire = pack(engine.export_entry(prompt, len(prompt) - 1, None))
+    response = _Response(wire, delay_s=0.2)
+    model, tok = load_zoo("kda-tiny")
+    mine = Engine(model, tok, EngineConfig(compile_decode=False, compile_prefill=False, checkpoint_slots=4,
+                                           peer_fetch=True))
+    peers = _Peers(response)
+    fetcher = PeerFetcher("b", _Calls(mine), lambda: peers, max_inflight=1)
+
+    async def burst():
+        return await asyncio.gather(*(fetcher.fetch(_request(prompt), tail=0) for _ in range(4)))
+
+    assert asyncio.run(burst()) == [True] * 4
+    assert len(peers.asked) == 1 and fetcher.counters["joined"] == 3 and fetcher.counters["failed"] == {}
+    outs = mine.generate([prompt] * 4, GREEDY)
+    assert all(o[0].cached_tokens == len(prompt) - 1 for o in outs)

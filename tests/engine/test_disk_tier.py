@@ -88,15 +88,28 @@ DAMAGES = {"torn": _torn, "corrupted": _corrupted, "unauthenticated": _unauthent
            "mismatched tokens": _rewritten(tokens=lambda h: [t + 1 for t in h["tokens"]])}
 
 
+@pytest.fixture(scope="module")
+def persisted(zoo, tmp_path_factory):
+    """A directory a stopped engine persisted two prompts' checkpoints into, and their cold answers (written once;
+    each damage case works on a copy)."""
+    root = tmp_path_factory.mktemp("persisted") / "tier"
+    prompts = _prompts(zoo[1], 2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DISK_SECRET_ENV, "test-deployment-secret")
+        first = _engine(zoo, root)
+        cold = [_ask(first, p) for p in prompts]
+        assert first.persist() >= 2
+        first.cache.disk.close()
+    return root, prompts, cold
+
+
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_file_is_ignored_and_the_answer_is_cold(zoo, tmp_path, secret, damage):
-    prompts = _prompts(zoo[1], 4)
-    first = _engine(zoo, tmp_path)
-    cold = [_ask(first, p) for p in prompts]
-    assert first.persist() >= 2
-    for path in tmp_path.rglob("*.ckpt"):
-        DAMAGES[damage](path, b"test-deployment-secret", first)
-    again = _engine(zoo, tmp_path)
+def test_a_damaged_file_is_ignored_and_the_answer_is_cold(zoo, tmp_path, secret, persisted, damage):
+    root, prompts, cold = persisted
+    shutil.copytree(root, tmp_path / "tier")
+    again = _engine(zoo, tmp_path / "tier")
+    for path in (tmp_path / "tier").rglob("*.ckpt"):
+        DAMAGES[damage](path, b"test-deployment-secret", again)
     out = [_ask(again, p) for p in prompts]
     assert [o.output_ids for o in out] == [c.output_ids for c in cold]
     assert all(o.cached_tokens == 0 for o in out)
