@@ -15,7 +15,8 @@ the router priced that below queueing at the holder and below recomputing (`rout
   the router caps an entry's bytes (`RouterKnobs.fetch_max_bytes`). Any failure (timeout, a holder that died
   mid-fetch, nothing held any more, a refused entry) is counted by reason and costs the request a recompute, never
   an error.
-- Measured: each fetch's bytes and seconds, per holder; `LinkCosts` fits a fixed cost and a cost per byte, which the
+- Measured: each fetch's bytes and seconds, less the time the holder waited for its step in flight (it reports it:
+  the router prices one holder step apart), per holder; `LinkCosts` fits a fixed cost and a cost per byte, which the
   replica publishes for the router (`fetch_costs`).
 """
 
@@ -144,7 +145,8 @@ class PeerFetcher:
         finally:
             self._inflight -= 1
         seconds, size = time.perf_counter() - start, nbytes(entry)
-        self.links.add(holder, size, seconds)
+        # the link's cost, without the wait for the holder's step in flight (the router adds one holder step itself)
+        self.links.add(holder, size, max(0.0, seconds - float(wire.get("waited_s", 0.0))))
         self.counters["fetches"] += 1
         self.counters["fetched_bytes"] += size
         self.counters["fetch_s"] += seconds

@@ -81,9 +81,10 @@ class EngineReplica:
         request to another replica than the one it names)."""
         if request.target != self.replica_id:
             return None
-        entry = await asyncio.to_thread(self.engine.call, lambda e: e.export_entry(request.prompt_ids, request.limit,
-                                                                                   request.salt))
-        return None if entry is None else pack(entry)
+        asked = time.perf_counter()
+        began, entry = await asyncio.to_thread(self.engine.call, lambda e: (
+            time.perf_counter(), e.export_entry(request.prompt_ids, request.limit, request.salt)))
+        return None if entry is None else pack(entry) | {"waited_s": began - asked}  # the wait for its step
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
