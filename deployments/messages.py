@@ -23,9 +23,10 @@ class GenerateRequest:
     # a Responses continuation's: (replica that served the stored response, its prompt tokens, its prompt + output
     # tokens this prompt starts with, when it was stored (time.time())); see app/api/hints.py
     resume: tuple[str, int, int, float] | None = None
-    # the router's: (the peer replica to pull this prompt's checkpoint from first, its bytes, its depth in tokens;
-    # 0: the deepest the peer has); see peer_fetch.py
-    fetch: tuple | None = None
+    # the router's: per replica that would pull this prompt's checkpoint from a peer first, were it to serve it,
+    # (that peer, the entry's bytes, its depth in tokens; 0: the deepest the peer has); see peer_fetch.py. One plan
+    # per candidate, not only the chosen one's: Ray sends a request to the next rank when the first is full
+    fetch: dict[str, tuple] | None = None
     # a handle caller's (benchmarks, operators): the replica that must serve it; the router then leaves `fetch` as
     # the caller set it. Never set from the API.
     route_to: str | None = None

@@ -10,7 +10,9 @@ the router priced that below queueing at the holder and below recomputing (`rout
   (`unpack`).
 - The fetcher files the entry into its host tier (`Engine.import_entry`: fingerprints, salt and tokens checked);
   the request's admission then loads it as any host-tier hit.
-- Shared: a request whose entry (same holder, salt and prefix) is being fetched already waits for that fetch.
+- Shared: a request whose entry (same holder, salt and prefix) is being fetched already waits for that fetch, and
+  so does one that came without a plan but whose prompt starts with an entry being fetched (the router counts that
+  entry as this replica's from the moment it sent the first request: `expected_marks`).
 - Bounded: a fetch gives up after `timeout_s`; at most `max_inflight` run at once (more: the request recomputes);
   the router caps an entry's bytes (`RouterKnobs.fetch_max_bytes`). Any failure (timeout, a holder that died
   mid-fetch, nothing held any more, a refused entry) is counted by reason and costs the request a recompute, never
@@ -98,11 +100,12 @@ class PeerFetcher:
         self._pending: dict[tuple, asyncio.Future] = {}  # fetches under way, by (holder, salt, depth, prefix hash)
         self.counters = {"fetches": 0, "fetched_bytes": 0, "fetch_s": 0.0, "joined": 0, "failed": {}}
 
-    async def fetch(self, request: GenerateRequest, tail: int) -> bool:
-        """Pull the checkpoint `request.fetch` names into the engine's host tier; False (counted) if it did not come.
+    async def fetch(self, request: GenerateRequest, tail: int, plan: tuple) -> bool:
+        """Pull the checkpoint `plan` (this replica's in `request.fetch`: holder, bytes, depth) names into the engine's
+        host tier; False (counted) if it did not come.
         Requests whose fetch is already under way (the same holder, salt and prefix) wait for that one instead of
         pulling the same entry again (or recomputing it because the in-flight cap is reached)."""
-        holder, depth = request.fetch[0], (request.fetch[2] if len(request.fetch) > 2 else 0)
+        holder, depth = plan[0], (plan[2] if len(plan) > 2 else 0)
         if holder == self.replica_id:
             return self._fail("self")
         limit = len(request.prompt_ids) - 1 - tail
@@ -121,6 +124,17 @@ class PeerFetcher:
             future = self._pending.pop(key)
         future.set_result(done)
         return done
+
+    async def join(self, request: GenerateRequest) -> bool:
+        """Wait for a fetch under way whose entry `request`'s prompt starts with (same salt), if any: a request the
+        router sent here expecting the checkpoint another request is fetching (it counts that one's entry as this
+        replica's already) must not start before it lands. False if there was none or it failed."""
+        for (_, salt, depth, prefix), future in list(self._pending.items()):
+            if salt == request.params.cache_salt and len(request.prompt_ids) > depth and \
+                    hash(tuple(request.prompt_ids[:depth])) == prefix:
+                self.counters["joined"] += 1
+                return await asyncio.shield(future)
+        return False
 
     async def _pull(self, request: GenerateRequest, holder: str, limit: int) -> bool:
         ask = ExportRequest(holder, request.prompt_ids, limit, request.params.cache_salt)
@@ -151,6 +165,10 @@ class PeerFetcher:
         self.counters["fetched_bytes"] += size
         self.counters["fetch_s"] += seconds
         return True
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
 
     def _fail(self, reason: str) -> bool:
         self.counters["failed"][reason] = self.counters["failed"].get(reason, 0) + 1

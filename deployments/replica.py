@@ -88,8 +88,11 @@ class EngineReplica:
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
-        if request.fetch is not None and self._can_fetch:
-            await self.fetcher.fetch(request, self._tail())
+        plan = (request.fetch or {}).get(self.replica_id)
+        if plan is not None and self._can_fetch:
+            await self.fetcher.fetch(request, self._tail(), plan)
+        elif self.fetcher.pending:  # a fetch under way may bring this prompt's checkpoint (the router counts on it)
+            await self.fetcher.join(request)
         if request.affinity is not None:
             self._keys[request.affinity] = None
             self._keys.move_to_end(request.affinity)

@@ -18,7 +18,8 @@ checkpoint on the replica that served it (`routing_policy.claimed`), each weighe
 
 Peer fetches (issue 40; deployments/peer_fetch.py): where a replica that can fetch would resume sooner from a
 peer's deeper checkpoint, pulled first, than from its own or at the holder behind its queue (`routing_policy.choose`),
-the router sets `GenerateRequest.fetch` to that peer; a replica's `ExportRequest` goes to the replica it names.
+the router notes it in `GenerateRequest.fetch` (for every candidate, so that a request Ray sends to its second
+choice fetches there too); a replica's `ExportRequest` goes to the replica it names.
 
 A retried request names the replica that failed it (`GenerateRequest.avoid`: its engine could not step); that
 replica is left out unless it is the only one.
@@ -56,9 +57,9 @@ class PrefixAwareRouter(RequestRouter):
         candidates = {c.replica_id: c for c in map(self._candidate, candidate_replicas)}
         decision = choose(list(candidates.values()), chain, tokens, self.knobs, hint)
         ranks = decision.ranks
-        if isinstance(req, GenerateRequest):  # the chosen replica pulls a peer's checkpoint first, or not
-            p = decision.prediction
-            req.fetch = (p.fetch_from, p.fetch_bytes, p.checkpointed) if p is not None and p.fetch_from else None
+        if isinstance(req, GenerateRequest):  # which replica would pull a peer's checkpoint first, from which peer
+            req.fetch = {rid: (p.fetch_from, p.fetch_bytes, p.checkpointed)
+                         for rid, p in decision.predictions.items() if p.fetch_from} or None
         request_id = pending_request.metadata.request_id if pending_request is not None else None
         if ranks and request_id is not None and self._decided.get(request_id) != ranks[0][0]:
             self._remember(candidates[ranks[0][0]], chain, tokens, hint, confirmed=False, p=decision.prediction)

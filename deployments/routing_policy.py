@@ -286,6 +286,7 @@ class Decision:
 
     ranks: list[list[str]]
     prediction: Prediction | None = None
+    predictions: dict = field(default_factory=dict)  # every candidate's, by replica id
 
 
 def choose(candidates: list[Candidate], chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,
@@ -302,7 +303,7 @@ def choose(candidates: list[Candidate], chain: list[int], tokens: list[int] | in
     rest = sorted((c for c in candidates if c is not chosen),
                   key=lambda c: (preds[c.replica_id].score, c.recent, c.replica_id))
     return Decision([[chosen.replica_id]] + ([[c.replica_id for c in rest]] if rest else []),
-                    preds[chosen.replica_id])
+                    preds[chosen.replica_id], preds)
 
 
 def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int, knobs: RouterKnobs,

@@ -81,7 +81,7 @@ async def _ttft(handle, prompt: list[int], replica: str, fetch: str | None = Non
     """(seconds to the first output, its cached tokens) of one request pinned to `replica`."""
     from deployments.messages import GenerateRequest
 
-    req = GenerateRequest(prompt, ONE, route_to=replica, fetch=(fetch, 0) if fetch else None)
+    req = GenerateRequest(prompt, ONE, route_to=replica, fetch={replica: (fetch, 0)} if fetch else None)
     start = time.perf_counter()
     async for wired in handle.generate.remote(req):
         return time.perf_counter() - start, int(wired.get("cached_tokens", 0))

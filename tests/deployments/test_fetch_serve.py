@@ -96,7 +96,7 @@ def test_a_pinned_request_with_a_fetch_resumes_on_the_other_replica_from_the_hol
 
     def ask(replica: str, fetch: str | None = None) -> dict:
         outs = list(handle.generate.remote(GenerateRequest(prompt, params, route_to=replica,
-                                                           fetch=(fetch, 0) if fetch else None)))
+                                                           fetch={replica: (fetch, 0)} if fetch else None)))
         assert {o["replica"] for o in outs} == {replica}
         return {"cached": outs[0]["cached_tokens"], "ids": [t for o in outs for t in o["new_token_ids"]]}
 

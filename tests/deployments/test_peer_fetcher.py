@@ -79,7 +79,7 @@ def _fetcher(response: _Response, timeout_s: float = 5.0) -> tuple[PeerFetcher, 
 
 
 def _request(prompt: list[int]) -> GenerateRequest:
-    return GenerateRequest(prompt, GREEDY, fetch=("a", 0))
+    return GenerateRequest(prompt, GREEDY, fetch={"b": ("a", 0)})
 
 
 def _read_only(wire: dict) -> dict:
@@ -92,7 +92,7 @@ def test_a_fetch_files_the_holders_entry_and_the_request_resumes_from_it(holder)
     engine, prompt = holder
     wire = _read_only(pack(engine.export_entry(prompt, len(prompt) - 1, None)))
     fetcher, mine = _fetcher(_Response(wire))
-    assert asyncio.run(fetcher.fetch(_request(prompt), tail=0))
+    assert asyncio.run(fetcher.fetch(_request(prompt), tail=0, plan=("a", 0)))
     assert fetcher.counters["fetches"] == 1 and fetcher.counters["fetched_bytes"] > 0
     out = mine.generate([prompt], GREEDY)[0][0]
     assert out.cached_tokens == len(prompt) - 1 and out.output_ids == engine.generate([prompt], GREEDY)[0][0].output_ids
@@ -107,7 +107,7 @@ def test_a_fetch_files_the_holders_entry_and_the_request_resumes_from_it(holder)
 def test_a_failed_fetch_is_counted_and_the_request_recomputes(holder, response, reason):
     _, prompt = holder
     fetcher, mine = _fetcher(response, timeout_s=0.2)
-    assert not asyncio.run(fetcher.fetch(_request(prompt), tail=0))
+    assert not asyncio.run(fetcher.fetch(_request(prompt), tail=0, plan=("a", 0)))
     assert fetcher.counters["failed"] == {reason: 1} and fetcher.counters["fetches"] == 0
     assert response.cancelled == (reason == "timeout")
     assert mine.generate([prompt], GREEDY)[0][0].cached_tokens == 0  # computed as if cold
@@ -118,8 +118,8 @@ def test_an_entry_for_another_salt_is_refused(holder):
     engine, prompt = holder
     wire = pack(engine.export_entry(prompt, len(prompt) - 1, None))
     fetcher, _ = _fetcher(_Response(wire))
-    request = GenerateRequest(prompt, SamplingParams(**{**GREEDY.__dict__, "cache_salt": "tenant-b"}), fetch=("a", 0))
-    assert not asyncio.run(fetcher.fetch(request, tail=0))
+    request = GenerateRequest(prompt, SamplingParams(**{**GREEDY.__dict__, "cache_salt": "tenant-b"}))
+    assert not asyncio.run(fetcher.fetch(request, tail=0, plan=("a", 0)))
     assert fetcher.counters["failed"] == {"mismatched": 1}
 
 
@@ -150,9 +150,29 @@ def test_requests_sharing_a_fetch_under_way_wait_for_it_instead_of_pulling_again
     fetcher = PeerFetcher("b", _Calls(mine), lambda: peers, max_inflight=1)
 
     async def burst():
-        return await asyncio.gather(*(fetcher.fetch(_request(prompt), tail=0) for _ in range(4)))
+        return await asyncio.gather(*(fetcher.fetch(_request(prompt), tail=0, plan=("a", 0)) for _ in range(4)))
 
     assert asyncio.run(burst()) == [True] * 4
     assert len(peers.asked) == 1 and fetcher.counters["joined"] == 3 and fetcher.counters["failed"] == {}
     outs = mine.generate([prompt] * 4, GREEDY)
     assert all(o[0].cached_tokens == len(prompt) - 1 for o in outs)
+
+
+def test_a_request_without_a_plan_waits_for_a_fetch_that_brings_its_prefix(holder):
+    """The router counts a fetched entry as the fetcher's from the first request on, so a later request sharing the
+    prefix comes without a plan: it waits for the fetch under way (`join`) and then resumes from the entry."""
+    engine, prompt = holder
+    wire = pack(engine.export_entry(prompt, len(prompt) - 1, None))
+    fetcher, mine = _fetcher(_Response(wire, delay_s=0.2))
+    longer = GenerateRequest(prompt + [5, 6, 7], GREEDY)
+
+    async def burst():
+        first = asyncio.ensure_future(fetcher.fetch(_request(prompt), tail=0, plan=("a", 0)))
+        await asyncio.sleep(0.05)
+        assert fetcher.pending
+        return await asyncio.gather(first, fetcher.join(longer), fetcher.join(GenerateRequest([1, 2, 3], GREEDY)))
+
+    assert asyncio.run(burst()) == [True, True, False]
+    assert fetcher.counters["joined"] == 1
+    out = mine.generate([longer.prompt_ids], GREEDY)[0][0]
+    assert out.cached_tokens == len(prompt) - 1

@@ -44,6 +44,7 @@ def test_a_slow_link_recomputes_instead():
 def test_an_idle_holder_keeps_the_request():
     d = choose([replace(HOLDER, queued=0), PEER], CHAIN, PROMPT, KNOBS)
     assert d.ranks[0] == ["a"] and d.prediction.fetch_from is None and d.prediction.checkpointed == 396
+    assert d.predictions["b"].fetch_from == "a"  # were Ray to send it to its second choice, that one fetches
 
 
 def test_a_busy_holders_step_counts_in_the_fetch():
