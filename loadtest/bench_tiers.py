@@ -287,7 +287,8 @@ def report_peer(results: dict) -> str:
     hot = [[arm, res["hot"]["ttft_mean_s"] * 1e3, res["hot"]["ttft_p90_s"] * 1e3, res["hot"]["replicas_used"],
             res["hot"]["cached_mean"], ", ".join(f"{k} {v}" for k, v in sorted(res["hot"]["fetches"].items())) or "-"]
            for arm, res in results.items()]
-    md += "\n\nHot prefix: concurrent requests sharing one prefix held by one replica.\n\n" + table(
+    md += "\n\nHot prefix: concurrent requests sharing one prefix held by one replica (medians over bursts)."
+    md += "\n\n" + table(
         ["arm", "TTFT mean ms", "TTFT p90 ms", "replicas used", "cached tokens (mean)", "fetches (all replicas)"], hot)
     on, off = results.get("dense/fetch", {}).get("hot"), results.get("dense/no fetch", {}).get("hot")
     if on and off:

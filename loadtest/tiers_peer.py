@@ -9,7 +9,8 @@ move between nodes). One deployment per arm: dense with peer fetches, dasc nr-W1
   bytes are what B's fetcher counted.
 - Hot prefix: one --hot-tokens prefix warmed on one replica, then --hot-requests concurrent requests over HTTP,
   each the prefix and its own --hot-suffix-token question (the router decides); mean and p90 TTFT, with peer
-  fetches on and off.
+  fetches on and off; --repeats bursts, each on a fresh prefix, reported as medians (fetch counters: the
+  replicas' totals after the last burst, the one-request trials included).
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ async def _arm(target, tok: Tokenizer, args, one: bool) -> dict:
                     moved = await _fetched(client, target.url, fetcher, above=before)
                     res["trials"].append({"tokens": length, "fetch_s": t_fetch, "recompute_s": t_cold,
                                           "cached": cached, "bytes": moved - before})
-        res["hot"] = await _hot(client, target.url, target.model, tok, rng, args)
+        bursts = [await _hot(client, target.url, target.model, tok, rng, args) for _ in range(args.repeats)]
+        res["hot"] = {k: statistics.median(b[k] for b in bursts) for k in ("ttft_mean_s", "ttft_p90_s",
+                                                                         "replicas_used", "cached_mean")}
+        res["hot"]["fetches"], res["hot_bursts"] = bursts[-1]["fetches"], bursts
     return res
 
 
