@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from loadtest.common import RESULTS, start_run, table
-from loadtest.faults import catalogue, disk, fuzz, load
+from loadtest.faults import catalogue, disk, fuzz, load, peer
 from loadtest.faults.client import Outcome, Target
 from loadtest.sections import publish
 
@@ -32,7 +32,8 @@ class Scenario:
     name: str
     title: str
     run: object  # (Target, SimpleNamespace) -> Outcome
-    app: str  # "http" (any server), "main" (the Ray app), "tp" (configs/tp2.yaml), "two_node", "disk", "disk_tiny"
+    app: str  # "http" (any server), "main" (the Ray app), "tp" (configs/tp2.yaml), "two_node", "disk", "disk_tiny",
+    # "fetch" (the main app with peer fetches)
     opts: dict
     short: dict  # --short overrides (a quick pass, not the issue's figures)
 
@@ -72,6 +73,9 @@ SCENARIOS = {s.name: s for s in [
              {"duration_s": 20.0}),
     Scenario("disk_unwritable", "Disk tier directory becomes unwritable", disk.unwritable, "disk",
              {"concurrency": 16, "duration_s": 45.0, "settle_s": 30.0, "timeout_s": 120.0}, {"duration_s": 20.0}),
+    Scenario("holder_kill", "Holder killed mid-fetch", peer.holder_kill, "fetch",
+             {"rounds": 3, "concurrency": 16, "prefix_lines": 220, "question_lines": 30, "kill_after_s": 0.3,
+              "recover_s": 60.0, "timeout_s": 120.0}, {"rounds": 1}),
     Scenario("disk_tiny", "Disk tier smaller than one entry", disk.tiny, "disk_tiny",
              {"concurrency": 16, "duration_s": 30.0, "settle_s": 30.0, "timeout_s": 120.0}, {"duration_s": 15.0}),
 ]}
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _groups(chosen: list[Scenario]) -> list[tuple[str, list[Scenario]]]:
     """Scenarios by the app they run against, HTTP-only ones on the main app, in a fixed order."""
-    order = ("main", "tp", "two_node", "disk", "disk_tiny")
+    order = ("main", "tp", "two_node", "disk", "disk_tiny", "fetch")
     return [(app, [s for s in chosen if (s.app if s.app != "http" else "main") == app]) for app in order
             if any((s.app if s.app != "http" else "main") == app for s in chosen)]
 

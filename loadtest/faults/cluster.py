@@ -115,9 +115,18 @@ def started(app: str, args):
         yield None  # the group's scenarios are reported as skipped
         return
     with _disk_dir(app) as disk:
-        cfg = app_args(config, merge(FIXED_SETTING, disk))
+        cfg = app_args(config, merge(merge(FIXED_SETTING, disk), _fetching(app)))
         with serve_app(cfg, num_cpus=max(4, 2 * cfg.get("replicas", 2) * cfg.get("tp_size", 1))) as url:
             yield Target(url, args.model, cluster=Cluster(cfg))
+
+
+def _fetching(app: str) -> dict:
+    """For the "fetch" app: the engine and router knobs of peer fetches ({} for the others)."""
+    if app != "fetch":
+        return {}
+    from loadtest.faults import peer
+
+    return {"engine": peer.FETCH_ENGINE, "router": peer.FETCH_ROUTER}
 
 
 @contextmanager

@@ -148,7 +148,7 @@ def test_scenarios_selection_and_groups():
     with pytest.raises(SystemExit):
         reliability.select("fuzz,nope")
     groups = reliability._groups(reliability.select(None))
-    assert [g for g, _ in groups] == ["main", "tp", "two_node", "disk", "disk_tiny"]
+    assert [g for g, _ in groups] == ["main", "tp", "two_node", "disk", "disk_tiny", "fetch"]
     assert {s.name for _, ss in groups for s in ss} == set(reliability.SCENARIOS)
     assert reliability.options(reliability.SCENARIOS["soak"], short=True).duration_s < 600
     assert reliability.options(reliability.SCENARIOS["soak"], short=False).duration_s == 600
