@@ -25,6 +25,8 @@ async def _round(client: httpx.AsyncClient, target: Target, o, rng: random.Rando
     prefix = _text(rng, o.prefix_lines, f"held{r}")
     body = {"model": target.model, "max_tokens": 2, "temperature": 0}
     warm = await client.post(f"{target.url}/v1/completions", json={**body, "prompt": prefix})
+    if warm.status_code != 200:
+        raise RuntimeError(f"warming the prefix: {warm.status_code} {warm.text[:300]}")
     holder = warm.json()["system_fingerprint"].removeprefix("dasc-")
     await asyncio.sleep(1.5)  # the holder's routing stats publish the prefix's checkpoint
 
