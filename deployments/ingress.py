@@ -4,9 +4,11 @@ It tokenizes, validates, computes the prompt's block hashes once (salted with th
 tenant's prefixes never match another's), and calls the engine deployment through a DeploymentHandle with a
 `GenerateRequest`, so the request router sees the tokens. /metrics and /status read the tuning controller, which
 holds every replica's latest telemetry; a dead controller is re-resolved (recreated) on the next call. A request
-whose replica dies or cannot step before its first token is retried once on another replica
-(`GenerateRequest.avoid` keeps our router off the one that failed); after its first token it cannot be (the client
-has part of an answer), and the error reaches the routes, which end the stream with an error event. A request's
+whose replica dies or cannot step before the client saw a token is retried once on another replica
+(`GenerateRequest.avoid` keeps our router off the one that failed): a streamed request before its first token, a
+request that is not streamed at any point (its outputs are held until the end, so a partial answer is dropped and
+the request starts over); a streamed request after its first token cannot be (the client has part of an answer),
+and the error reaches the routes, which end the stream with an error event. A request's
 `RouteHint` (a prompt_cache_key, a Responses continuation's replica) goes to the router with it
 (`GenerateRequest.affinity`, `.resume`); a retry drops the continuation's. Stored responses live in a named actor
 (deployments/response_store.py), not here. Ray's `BackPressureError` (the engine deployment's `max_queued_requests`
@@ -78,20 +80,26 @@ class RayBackend:
         meter, streamed, retried = self.metrics.meter(params.n, stream), False, False
         _own_routing_id()
         while True:
-            response, finished = self.handle.generate.remote(req), False
+            response, finished, held = self.handle.generate.remote(req), False, []
             try:
                 async for wired in response:
-                    out, streamed = RequestOutput(**wired), True
+                    out = RequestOutput(**wired)
                     meter.observe(out)
-                    yield out
+                    if stream:
+                        streamed = True
+                        yield out
+                    else:  # the client sees nothing before the end: a replica lost mid-generation is retried
+                        held.append(out)
                 finished = True
                 self.metrics.requests.labels(route="generate", outcome="ok").inc()
+                for out in held:
+                    yield out
                 return
             except RETRYABLE as exc:
                 if streamed or retried or (deadline is not None and time.time() >= deadline):
                     self.metrics.requests.labels(route="generate", outcome="error").inc()
                     raise
-                log.warning("replica failed before the first token, retrying once on another: %r", exc)
+                log.warning("replica failed before the client saw a token, retrying once on another: %r", exc)
                 self.metrics.retries.inc()
                 retried, req.avoid = True, _failed_replica(exc)
                 req.resume = None  # the replica it named may be the one that failed

@@ -144,6 +144,22 @@ def test_a_killed_replica_ends_its_stream_cleanly_and_leaves_the_metrics(app):
     _wait_for(lambda: len(_replicas(app)) == 2 and _get(f"{app}/health").status_code == 200, "Serve replaces it")
 
 
+def test_a_request_not_streamed_survives_its_replica_dying_mid_generation(app):
+    """Defect found by `make reliability`'s holder_kill: a request that is not streamed, whose replica died after
+    its first token, got a 503 although its client had seen nothing; now the ingress holds its outputs until the
+    end and retries it from the start on the other replica."""
+    c = _client(app)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(c.completions.create, model="kda-tiny", prompt=_prompt(700 + i, 60), max_tokens=400,
+                               temperature=0, extra_body={"ignore_eos": True}) for i in range(4)]
+        victim = _wait_for(lambda: next((rid for rid, s in _replicas(app).items() if s.get("running")), None),
+                           "a replica generating")
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::dasc#EngineReplica#{victim}", namespace="serve"), no_restart=True)
+        answers = [f.result() for f in futures]
+    assert all(a.usage.completion_tokens == 400 for a in answers)
+    _wait_for(lambda: len(_replicas(app)) == 2 or None, "the replica replaced")
+
+
 def test_a_continuation_outlives_its_replica_and_a_stored_response_its_ingress(app):
     """Issue 37: a continuation whose stored response's replica was killed is computed again from the stored ids on
     another replica (slower, never an error); stored responses live in a named actor, so an ingress replica's death
