@@ -31,18 +31,17 @@ from collections import deque
 import numpy as np
 import torch
 
+from app.cache.disk_format import DTYPES, NAMES
 from deployments.messages import ExportRequest, GenerateRequest
 
 FETCH_TIMEOUT_S = 5.0
 MAX_INFLIGHT = 2
 SAMPLES = 32  # fetches per holder kept for the cost fit
-DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
-                              torch.int64)}
 
 
 def pack(entry: dict) -> dict:
     """`Engine.export_entry`'s entry with each tensor as (dtype name, shape, its bytes as a numpy uint8 array)."""
-    tensors = {n: (str(t.dtype), list(t.shape), t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
+    tensors = {n: (NAMES[t.dtype], list(t.shape), t.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(-1))
                for n, t in entry["tensors"].items()}
     return {**entry, "tensors": tensors}
 

@@ -26,6 +26,7 @@ from app.engine.request import SamplingParams
 from app.models.loader import resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.faults.cluster import two_nodes
+from loadtest.faults.peer import fetch_counters
 from loadtest.workloads import text_block
 
 ARMS = {"dense/fetch": {"peer_fetch": True}, "dasc nr-W16/fetch": {"peer_fetch": True, "w_max": 16.0,
@@ -123,14 +124,7 @@ async def _hot(client: httpx.AsyncClient, url: str, model: str, tok: Tokenizer, 
     got = await asyncio.gather(*(one(q) for q in questions))
     ttfts = sorted(t for t, _, _ in got)
     await asyncio.sleep(1.5)  # the replicas report their fetch counters
-    fetches: dict = {}
-    for snap in (await client.get(f"{url}/status")).json()["replicas"].values():
-        for k, v in (snap.get("peer_fetch") or {}).items():
-            if k in ("fetches", "joined"):
-                fetches[k] = fetches.get(k, 0) + v
-            elif k == "failed":
-                for reason, n in v.items():
-                    fetches[f"failed {reason}"] = fetches.get(f"failed {reason}", 0) + n
+    fetches = await fetch_counters(client, url)
     return {"ttft_mean_s": statistics.fmean(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "replicas_used": len({f for _, _, f in got}), "cached_mean": statistics.fmean(c for _, c, _ in got),
             "fetches": fetches}

@@ -9,6 +9,7 @@ piece settled: its progress, the checkpoints it passed (app/engine/checkpoints.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -55,7 +56,6 @@ class Engine:
             staged else None
         self.cache = PrefixCache(KVSlots(cfg.kv_slots), self._pool(), cfg.admission, self._select(cfg), host,
                                  self.worker, _layout(cfg))
-        self.model_fp = model_fingerprint(self.model, dataclasses.asdict(self.model.config))
         self.cache.disk = self._disk_tier(cfg) if cfg.disk_dir else None
         self.cache.staging = bool(staged) and cfg.host_mb <= 0
         self.scheduler = Scheduler(cfg, self.cache, self.worker)
@@ -67,6 +67,12 @@ class Engine:
         self._ids = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}
         self.keep_logits = False  # True: greedy rows come back as logits too (tests that compare logits)
+
+    @functools.cached_property
+    def model_fp(self) -> str:
+        """The model fingerprint disk entries and peer fetches are checked against (computed on first use: only
+        engines with a disk tier or peer fetches pay for it)."""
+        return model_fingerprint(self.model, dataclasses.asdict(self.model.config))
 
     @property
     def codec(self) -> CheckpointCodec:

@@ -58,7 +58,8 @@ def _kill(target: Target, replica: str) -> str | None:
     return None
 
 
-async def _fetch_counters(client: httpx.AsyncClient, url: str) -> dict:
+async def fetch_counters(client: httpx.AsyncClient, url: str) -> dict:
+    """The peer-fetch counters of every replica in /status, summed (failures as "failed <reason>")."""
     out: dict = {}
     for snap in (await client.get(f"{url}/status")).json().get("replicas", {}).values():
         fetch = snap.get("peer_fetch") or {}
@@ -78,7 +79,7 @@ def holder_kill(target: Target, o) -> Outcome:
         async with httpx.AsyncClient(timeout=o.timeout_s) as client:
             rounds = [await _round(client, target, o, rng, r) for r in range(o.rounds)]
             await asyncio.sleep(2.0)
-            return rounds, await _fetch_counters(client, target.url)
+            return rounds, await fetch_counters(client, target.url)
 
     rounds, counters = asyncio.run(main())
     statuses = [s for r in rounds for s in r["statuses"]]
