@@ -3,8 +3,9 @@
 - `generate(GenerateRequest)` streams `RequestOutput.wire()` dicts (call it with a streaming handle): deltas per
   chunk, the full text and token ids on the last.
 - `record_routing_stats()` publishes the digest of the prefixes it holds KV for, the marks of its checkpoints (and of
-  its host tier's, with their bytes and the measured load cost per byte), the engine's load (`app/engine/load.py`) and
-  the latest prompt_cache_keys it served (hashed): what the router predicts a request's TTFT from.
+  its host and disk tiers' entries, with their bytes and the measured load and read costs per byte), the engine's
+  load (`app/engine/load.py`) and the latest prompt_cache_keys it served (hashed): what the router predicts a
+  request's TTFT from.
 - A background loop pushes a telemetry window to the tuning controller every `window_s` (with the setting it
   runs, which a recreated controller adopts) and applies the assignment it reads back (between engine steps;
   a codec change drops the old checkpoints). It retunes only when the assigned setting differs from the one it
@@ -43,6 +44,7 @@ SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
 # spec_decode_acceptance_length) and the disk tier's counters (/metrics' dasc:disk_tier_*)
 REPORTED_BLOCKS = ("spec_accepted_per_verify", "disk_tier")  # (and the replica's own `peer_fetch` counters)
 KEYS_PUBLISHED = 1024  # the latest prompt_cache_keys (hashed) a replica served, published for the router
+DISK_MARKS = 2048  # the disk tier's most recently used entries a replica publishes marks of
 
 
 class EngineReplica:
@@ -116,6 +118,10 @@ class EngineReplica:
             host = engine.cache.host
             tier = {"host_marks": host.marks(self.digest_block), "host_s_per_byte": host.load_s_per_byte} \
                 if host is not None else {}
+            disk = engine.cache.disk
+            if disk is not None:
+                tier |= {"disk_marks": disk.marks(self.digest_block, DISK_MARKS),
+                         "disk_s_per_byte": disk.read_s_per_byte}
             tier |= {"can_fetch": self._can_fetch, "state_bytes": engine.codec.bytes_per_slot,
                      "kv_bytes_per_token": engine.worker.kv.bytes_per_token,
                      "fetch_costs": self.fetcher.links.all()}

@@ -33,7 +33,8 @@ from collections import OrderedDict
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.messages import ExportRequest, GenerateRequest
-from deployments.routing_policy import Hint, RouterKnobs, RouterMemory, choose, expected_marks, predict
+from deployments.router_memory import RouterMemory
+from deployments.routing_policy import Hint, RouterKnobs, choose, expected_marks, predict
 
 
 class PrefixAwareRouter(RequestRouter):

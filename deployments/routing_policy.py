@@ -1,5 +1,5 @@
-"""The prefix-aware routing decision as a pure function of predicted cost, and the router's memory as a plain
-class with an injectable clock (no Ray): tests import both directly.
+"""The prefix-aware routing decision as a pure function of predicted cost (no Ray; the router's memory of what it
+sent where is deployments/router_memory.py): tests import both directly.
 
 For each candidate replica `predict` estimates the request's time to first token there:
 
@@ -16,7 +16,8 @@ For each candidate replica `predict` estimates the request's time to first token
   output - 1 - tail tokens) before any digest shows it, while the hint is fresh or the replica still holds the
   stored prompt's KV (`claimed`). A replica's host tier publishes marks too, with each entry's bytes: where one
   lies deeper than every pool checkpoint the prompt starts with, the engine will load it back, so the prediction
-  resumes there and adds the load (its bytes at the replica's measured seconds per byte, `host_s_per_byte`).
+  resumes there and adds the load (its bytes at the replica's measured seconds per byte, `host_s_per_byte`). Its
+  disk tier's marks likewise, adding the read (`disk_s_per_byte`) to the load.
 - resume: what a hit still recomputes: the dasc-wr replay window; 0 for dense checkpoints and under dasc-nr,
   whose checkpoints are stored (and their marks published) `tail` tokens early, where a hit loads them.
 - queued: the prefill tokens the replica reported waiting, plus what this router sent it since that report.
@@ -52,10 +53,7 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from app.cache.digest import matched_blocks, tail_hash
 
@@ -79,6 +77,7 @@ class RouterKnobs:
     share_window: int = 64
     key_credit: float = 2.0
     host_s_per_byte: float = 1e-9
+    disk_s_per_byte: float = 1e-9  # a disk-tier read's cost for a replica that has not measured its own (1 GB/s)
     fetch_s_per_byte: float = 1e-9  # a peer fetch's cost per byte until measured between the two replicas
     fetch_fixed_s: float = 0.05  # and its fixed cost (calls, export, filing)
     fetch_max_bytes: int = 512 * 2**20  # no fetch of a larger entry (object-store room)
@@ -108,6 +107,8 @@ class Candidate:
     keys: frozenset[int] = frozenset()  # hashed prompt_cache_keys it served or was sent lately
     host_marks: dict = field(default_factory=dict)  # block hash -> ((r, tail hash, bytes), ...) of its host tier
     host_s_per_byte: float | None = None  # its measured host-tier load cost; None: RouterKnobs.host_s_per_byte
+    disk_marks: dict = field(default_factory=dict)  # block hash -> ((r, tail hash, bytes), ...) of its disk tier
+    disk_s_per_byte: float | None = None  # its measured disk read cost; None: RouterKnobs.disk_s_per_byte
     # peer fetches (issue 40): whether it can pull an entry from a peer (a host tier to file it in), its published
     # pool checkpoints alone (no expected ones: a fetch needs a stored entry), what one of its pool entries weighs
     # (a checkpoint slot, and KV per token), and its measured fetch cost from each peer: (fixed s, s per byte)
@@ -214,15 +215,21 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
         host, rest = deepest(c.host_marks, chain, ids, knobs.block_size)
         if host > depth:
             depth = host
-            load_s = rest[0] * (knobs.host_s_per_byte if c.host_s_per_byte is None else c.host_s_per_byte)
+            load_s = rest[0] * _host_s(c, knobs)
+    if c.disk_marks:  # a deeper disk-tier entry is read into the host tier, then loaded back
+        disk, rest = deepest(c.disk_marks, chain, ids, knobs.block_size)
+        if disk > depth:
+            depth = disk
+            load_s = rest[0] * (_disk_s(c, knobs) + _host_s(c, knobs))
     best = _priced(c, chain, prompt_len, depth, load_s, knobs, hint)
     for h in peers if c.can_fetch else ():
         if h.replica_id == c.replica_id:
             continue
-        held, nbytes = stored(h, chain, ids, knobs.block_size)
+        held, nbytes, tier = stored(h, chain, ids, knobs.block_size)
         if held <= depth or nbytes > knobs.fetch_max_bytes:
             continue
-        option = _priced(c, chain, prompt_len, held, fetch_s(c, h, nbytes, knobs), knobs, hint, h.replica_id, nbytes)
+        cost = fetch_s(c, h, nbytes, knobs) + (nbytes * _disk_s(h, knobs) if tier == "disk" else 0.0)
+        option = _priced(c, chain, prompt_len, held, cost, knobs, hint, h.replica_id, nbytes)
         if option.score < best.score:
             best = option
     return best
@@ -247,14 +254,27 @@ def _priced(c: Candidate, chain: list[int], prompt_len: int, depth: int, load_s:
     return Prediction(depth, uncached, ttft, score, kv, fetch_from, fetch_bytes)
 
 
-def stored(h: Candidate, chain: list[int], tokens: list[int] | None, block: int) -> tuple[int, int]:
-    """(depth, bytes) of the deepest entry `h` has stored (its published pool checkpoints, each a checkpoint slot and
-    its prefix's KV, and its host-tier entries, each with its bytes) that the prompt starts with; (0, 0) for none."""
+def stored(h: Candidate, chain: list[int], tokens: list[int] | None, block: int) -> tuple[int, int, str | None]:
+    """(depth, bytes, tier) of the deepest entry `h` has stored that the prompt starts with: its published pool
+    checkpoints (each a checkpoint slot and its prefix's KV), its host-tier and its disk-tier entries (each with its
+    bytes; the holder reads a disk entry before it exports it); (0, 0, None) for none."""
+    best = (0, 0, None)
     pool, _ = deepest(h.stored_marks, chain, tokens, block)
-    host, rest = deepest(h.host_marks, chain, tokens, block) if h.host_marks else (0, ())
-    if host > pool:
-        return host, rest[0]
-    return pool, (h.state_bytes + pool * h.kv_bytes_per_token) if pool else 0
+    if pool:
+        best = (pool, h.state_bytes + pool * h.kv_bytes_per_token, "pool")
+    for tier, marks in (("host", h.host_marks), ("disk", h.disk_marks)):
+        depth, rest = deepest(marks, chain, tokens, block) if marks else (0, ())
+        if depth > best[0]:
+            best = (depth, rest[0], tier)
+    return best
+
+
+def _host_s(c: Candidate, knobs: RouterKnobs) -> float:
+    return knobs.host_s_per_byte if c.host_s_per_byte is None else c.host_s_per_byte
+
+
+def _disk_s(c: Candidate, knobs: RouterKnobs) -> float:
+    return knobs.disk_s_per_byte if c.disk_s_per_byte is None else c.disk_s_per_byte
 
 
 def fetch_s(c: Candidate, h: Candidate, nbytes: int, knobs: RouterKnobs) -> float:
@@ -310,110 +330,3 @@ def rank(candidates: list[Candidate], chain: list[int], tokens: list[int] | int,
          hint: Hint | None = None) -> list[list[str]]:
     """Replica ids in preference ranks: [[chosen], [the rest by score]]. tokens: the prompt's ids, or its length."""
     return choose(candidates, chain, tokens, knobs, hint).ranks
-
-
-class RouterMemory:
-    """What one router remembers between decisions. `clock`: seconds, monotonic.
-
-    - each replica's published stats; a new `version` is noted with the time it was first seen;
-    - per replica, the block hashes this router sent it and when. A hash sent at t is known until t + remember_s
-      (inclusive), so requests sharing a new prefix stick to one replica until its digest shows the prefix; and
-      it is dropped earlier when a digest first seen more than `settle_s` after t does not hold it (the replica
-      evicted it, or its codec changed and dropped its checkpoints);
-    - per replica, the checkpoints it expects a sent request to store (`routed(marks=...)`, `expected_marks`),
-      held until a stats version first seen more than `settle_s` after the send
-      (which shows the real mark, or shows that none was cut) or for remember_s;
-    - per replica, the prefill tokens sent since its last stats version, of which the latest `queue_len` (the
-      requests in flight there, when known, plus those routed but not yet `confirmed` as sent) are added to the
-      reported queue: a request that finished before the next stats no longer counts;
-    - per replica, the prompt_cache_keys (hashed) this router sent it and when, for remember_s, beside those its
-      stats publish;
-    - the replicas of the last `share_window` routing decisions (`Candidate.recent`)."""
-
-    def __init__(self, remember_s: float, share_window: int, settle_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.remember_s, self.settle_s, self.clock = remember_s, settle_s, clock
-        self._recent: deque[str] = deque(maxlen=share_window)
-        self._routed: dict[str, dict[int, float]] = {}  # replica -> block hash -> when it was sent there
-        self._sent: dict[str, list[int]] = {}  # replica -> prefill tokens sent since its stats version
-        self._unconfirmed: dict[str, int] = {}  # replica -> routed there, not yet seen sent (Ray counts it then)
-        self._expected: dict[str, dict[tuple, float]] = {}  # replica -> expected mark -> when
-        self._keys: dict[str, dict[int, float]] = {}  # replica -> hashed prompt_cache_key -> when it was sent there
-        # replica -> (stats version, when first seen, digest, marks, host-tier marks)
-        self._stats: dict[str, tuple[object, float, frozenset[int], dict]] = {}
-
-    def routed(self, replica_id: str, chain: list[int], tokens: int = 0, marks: list[tuple] = (),
-               confirmed: bool = True, key: int | None = None) -> None:
-        """One decision: the request with block hashes `chain` (and hashed prompt_cache_key `key`), predicted to
-        prefill `tokens` there and to have the replica store checkpoints at `marks` (`expected_marks`), went to
-        `replica_id`. confirmed=False: decided, not yet sent (see `confirmed`)."""
-        self._recent.append(replica_id)
-        now = self.clock()
-        if key is not None:
-            self._keys.setdefault(replica_id, {})[key] = now
-        self._routed.setdefault(replica_id, {}).update((h, now) for h in chain)
-        self._sent.setdefault(replica_id, []).append(tokens)
-        if marks:
-            self._expected.setdefault(replica_id, {}).update((m, now) for m in marks)
-        if not confirmed:
-            self._unconfirmed[replica_id] = self._unconfirmed.get(replica_id, 0) + 1
-
-    def confirmed(self, replica_id: str) -> None:
-        """A request `routed(confirmed=False)` to `replica_id` was sent there: the replica's request count now
-        includes it."""
-        if self._unconfirmed.get(replica_id, 0) > 0:
-            self._unconfirmed[replica_id] -= 1
-
-    def candidate(self, replica_id: str, stats: dict | None, queue_len: int | None) -> Candidate:
-        """The replica as `rank` sees it. stats: its published routing stats (`record_routing_stats`), None
-        before the first; queue_len: a fresher request count than the stats' (None: use the stats')."""
-        stats = stats or {}
-        now = self.clock()
-        version = stats.get("version")
-        held = self._stats.get(replica_id)
-        routed = self._routed.setdefault(replica_id, {})
-        if held is None or held[0] != version:
-            marks: dict[int, tuple] = {}
-            for h, r, tail in stats.get("marks", ()):
-                marks[h] = marks.get(h, ()) + ((r, tail),)
-            host: dict[int, tuple] = {}
-            for h, r, tail, nbytes in stats.get("host_marks", ()):
-                host[h] = host.get(h, ()) + ((r, tail, nbytes),)
-            held = (version, now, frozenset(stats.get("digest", ())), marks, host)
-            self._stats[replica_id] = held
-            self._sent[replica_id] = []  # taken as counted in the new stats' queue
-            self._unconfirmed[replica_id] = 0
-            if version is not None:  # a digest to disagree with
-                for h in [h for h, t in routed.items() if t < now - self.settle_s and h not in held[2]]:
-                    del routed[h]
-                expected = self._expected.get(replica_id, {})
-                for h in [h for h, t in expected.items() if t < now - self.settle_s]:
-                    del expected[h]
-        horizon = now - self.remember_s
-        for memory in (routed, self._expected.get(replica_id, {}), self._keys.get(replica_id, {})):
-            for h in [h for h, t in memory.items() if t < horizon]:
-                del memory[h]
-        sent = self._sent.get(replica_id, [])
-        if queue_len is not None:  # at most the latest sends, as many as are in flight there, count
-            in_flight = queue_len + self._unconfirmed.get(replica_id, 0)
-            sent = sent[len(sent) - in_flight:] if in_flight < len(sent) else sent
-        sent = sum(sent)
-        marks = held[3]
-        if self._expected.get(replica_id):
-            marks = dict(marks)
-            for h, r, tail in self._expected[replica_id]:
-                marks[h] = marks.get(h, ()) + ((r, tail),)
-        return Candidate(
-            replica_id, held[2] | frozenset(routed) if routed else held[2], marks,
-            queued=int(stats.get("prefill_tokens", 0)) + sent, decoding=int(stats.get("decoding", 0)),
-            resume=int(stats.get("resume_tokens", 0)), tail=int(stats.get("tail_tokens", 0)),
-            prompt_ends=bool(stats.get("prompt_ends", True)), lookback=int(stats.get("lookback", 0)),
-            lookback_align=int(stats.get("lookback_align", 16)),
-            token_s=stats.get("step_token_s"), fixed_s=stats.get("step_fixed_s"), step_tokens=stats.get("step_tokens"),
-            queue_len=int(stats.get("queue", 0) if queue_len is None else queue_len),
-            recent=sum(1 for r in self._recent if r == replica_id),
-            keys=frozenset(stats.get("keys", ())) | frozenset(self._keys.get(replica_id, ())),
-            host_marks=held[4], host_s_per_byte=stats.get("host_s_per_byte"),
-            can_fetch=bool(stats.get("can_fetch", False)), stored_marks=held[3],
-            state_bytes=int(stats.get("state_bytes", 0)), kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)),
-            fetch_costs={peer: tuple(cost) for peer, cost in (stats.get("fetch_costs") or {}).items()})

@@ -27,6 +27,10 @@ prefill seconds per token). Results: loadtest/results/bench_tiers_cpu.json; --ou
   disk tier off, "writes" (written behind, lookups disabled: the writes' cost alone) and "on" (written and read),
   one engine each, interleaved request by request (`cost_arms`); mean TTFT and decode tok/s over the replay
   requests, as medians of per-seed ratios against "off".
+
+`--section peer` (about 5 minutes, loadtest/tiers_peer.py) measures checkpoints fetched between two replicas on two
+Ray nodes; `--section shapes` (seconds, loadtest/tiers_shapes.py) computes what such a fetch moves and when it beats
+recomputing at Kimi-Linear-48B's and Qwen3-Next-80B's shapes (nothing timed).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from app.engine.engine import DISK_SECRET_ENV, Engine
 from app.engine.request import SamplingParams
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
-from loadtest import tiers_peer
+from loadtest import tiers_peer, tiers_shapes
 from loadtest.common import start_run, table
 from loadtest.sections import publish
 from loadtest.workloads import text_block
@@ -306,7 +310,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=3000)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--section", choices=("host", "disk", "peer"), default="host")
+    p.add_argument("--section", choices=("host", "disk", "peer", "shapes"), default="host")
     p.add_argument("--config", default="configs/config.yaml")
     p.add_argument("--peer-lengths", type=int, nargs="+", default=[1024, 2048, 3072])
     p.add_argument("--repeats", type=int, default=3)
@@ -317,10 +321,19 @@ def main(argv=None) -> None:
     p.add_argument("--restart-prefixes", type=int, default=24)
     p.add_argument("--restart-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--shapes-w-max", type=float, default=16.0)
+    p.add_argument("--mfu", type=float, nargs="+", default=[0.4])
+    p.add_argument("--fixed-s", type=float, nargs="+", default=[0.001, 0.02])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     record = start_run("bench_tiers", {k: v for k, v in vars(args).items() if k != "out"}, argv)
+    if args.section == "shapes":
+        results = tiers_shapes.run(args)
+        publish(record, "production/shapes", results, tiers_shapes.report(results), args.out,
+                "Cache tiers: the host tier under the reuse-distance replay",
+                "Peer fetches at production shapes: bytes per entry and the break-even prefix")
+        return
     if args.section == "peer":
         results = tiers_peer.run(args)
         publish(record, f"{args.model}/peer", results, report_peer(results), args.out,

@@ -27,8 +27,10 @@ def chain_seed(salt: str | None) -> bytes:
     return hashlib.blake2b(SEED + b"/salt/" + salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
-def block_hashes(tokens: list[int], block: int, salt: str | None = None) -> list[int]:
-    out, parent = [], chain_seed(salt)
+def block_hashes(tokens: list[int], block: int, salt: str | None = None, seed: bytes | None = None) -> list[int]:
+    """The chained hashes of every full block, from `chain_seed(salt)` or the given `seed` (a disk entry keeps its
+    chain's seed, never its salt)."""
+    out, parent = [], chain_seed(salt) if seed is None else seed
     for lo in range(0, len(tokens) - block + 1, block):
         h = hashlib.blake2b(parent + repr(tokens[lo : lo + block]).encode(), digest_size=8).digest()
         out.append(int.from_bytes(h, "little"))

@@ -4,8 +4,9 @@ authenticated with HMAC-SHA256 under the deployment secret and parsed by this mo
 
     magic b"DASCDSK1" | header length (u32) | payload length (u64) | header (JSON) | payload | tag (32 bytes)
 
-The header names the model and codec fingerprints, a keyed digest of the cache salt (never the salt), the tokens the
-state follows, the checkpoint's kind, when it was written, and each tensor's name, dtype and shape; the payload is
+The header names the model and codec fingerprints, a keyed digest of the cache salt (never the salt), the seed of
+the salt's digest chain (`app.cache.digest.chain_seed`: what routers see in digests anyway), the tokens the state
+follows, the checkpoint's kind, when it was written, and each tensor's name, dtype and shape; the payload is
 the tensors' bytes end to end; the tag is the HMAC of everything before it. `read_entry` refuses a file, with the
 reason, that is torn (shorter than it says), corrupted (no magic, a header that does not parse, lengths that do not
 add up), unauthenticated (the tag does not match: another secret, or altered bytes), foreign (another model or codec
@@ -35,6 +36,7 @@ import torch
 
 MAGIC = b"DASCDSK1"
 TAG = 32
+MAX_HEADER = 64 * 2**20  # a header's bytes (its tokens, in JSON) beyond which `read_header` refuses to read it
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
           "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -111,6 +113,27 @@ def write_entry(path: Path, secret: bytes, header: dict, tensors: dict[str, torc
         tmp.unlink(missing_ok=True)
         raise
     return len(parts[0]) + size + TAG
+
+
+def read_header(path: Path) -> dict:
+    """The header of the entry at `path`, read alone and not authenticated (the tag covers the payload too): what
+    the tier's index publishes as routing hints, which a lookup then checks in full. DiskEntryError if it does not
+    parse; OSError if the file cannot be read."""
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + 12)
+        if len(head) < len(MAGIC) + 12 or head[: len(MAGIC)] != MAGIC:
+            raise DiskEntryError("corrupted", "no magic")
+        length, _ = struct.unpack("<IQ", head[len(MAGIC):])
+        if length > MAX_HEADER:
+            raise DiskEntryError("corrupted", f"a {length}-byte header")
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+        return header
+    except ValueError as e:
+        raise DiskEntryError("torn" if len(text) < length else "corrupted", f"header: {e}") from None
 
 
 def read_entry(path: Path, secret: bytes, model_fp: str, codec_fp: str, salt_key: str,

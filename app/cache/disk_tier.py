@@ -11,6 +11,10 @@ a background thread and found by key, with no scan of the directory before servi
 - `sweep` (the writer thread runs it at start and every `sweep_s`, off the serving path) keeps the directory
   within its bytes and age: entries past `ttl_s` go, then, beyond `budget_bytes`, those of other model or codec
   fingerprints, then the oldest. Files another replica removes meanwhile are skipped.
+- `marks(block)`: the tier's index of the entries it knows are on disk (those it wrote or read, and, once after
+  start, those its writer thread finds in its fingerprint's directory, newest first, up to `index_limit`, from
+  their headers alone) as digest marks with their bytes, for the router (issue 40). A mark is a hint: a lookup
+  checks the file in full, and an entry another replica removed meanwhile costs a misrouted request, no more.
 - `purge(root)` removes every entry and temporary file under a tier directory, and the directories they leave
   empty (`python -m app.cli cache purge DIR`); other files are left alone.
 """
@@ -21,18 +25,22 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from app.cache.digest import block_hashes, chain_seed, checkpoint_mark
 from app.cache.disk_format import (
+    DTYPES,
     DiskEntryError,
     block_dir,
     entry_name,
     entry_path,
     fingerprint_dir,
     read_entry,
+    read_header,
     salt_key,
     write_entry,
 )
@@ -65,13 +73,29 @@ class DiskCounters:
     swept: dict[str, int] = field(default_factory=dict)  # files removed by `sweep`, by reason
     stored_files: int = 0  # in the directory, as of the last sweep plus the writes since (all replicas' files)
     stored_bytes: int = 0
+    read_s: float = 0.0  # time the hits' reads took, and their bytes: the router's price of a disk hit
+    read_bytes: int = 0
+
+
+@dataclass
+class Known:
+    """An entry the index knows is on disk: its chain's seed, tokens and bytes, and its mark at one block size."""
+
+    seed: bytes
+    tokens: tuple[int, ...]
+    nbytes: int
+    mark: tuple | None = None  # (block, checkpoint_mark or None), computed on first publication
 
 
 class DiskTier:
     def __init__(self, root: str | Path, secret: bytes, model_fp: str, codec_fp: str, block: int = 64,
                  max_queue: int = 64, budget_bytes: int | None = None, ttl_s: float = 7 * 24 * 3600.0,
-                 sweep_s: float = 60.0) -> None:
+                 sweep_s: float = 60.0, index_limit: int = 4096) -> None:
         self.root, self.secret, self.block = Path(root), secret, block
+        self.index_limit = index_limit
+        self._index: OrderedDict[str, Known] = OrderedDict()  # file path -> entry, least recently used first
+        self._index_lock = threading.Lock()
+        self._indexed = threading.Event()  # set once the writer thread has indexed the directory
         self.model_fp, self.codec_fp = model_fp, codec_fp
         self.budget_bytes, self.ttl_s, self.sweep_s = budget_bytes, ttl_s, sweep_s
         self._swept_at, self._closed = float("-inf"), False
@@ -100,7 +124,8 @@ class DiskTier:
         return True
 
     def flush(self) -> None:
-        """Wait until every queued entry is written (or skipped)."""
+        """Wait until the directory is indexed and every queued entry is written (or skipped)."""
+        self._indexed.wait()
         self._queue.join()
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -119,11 +144,16 @@ class DiskTier:
     def stats(self) -> dict:
         c = self.counters
         return {"hits": c.hits, "writes": c.writes, "written_bytes": c.written_bytes, "queued": self.queued,
+                "indexed": self.indexed,
                 "stored_files": c.stored_files, "stored_bytes": c.stored_bytes,
                 "skipped_writes": dict(c.skipped_writes), "rejected": dict(c.rejected), "swept": dict(c.swept)}
 
     def _write_loop(self) -> None:
         _yield_cpu()
+        try:
+            self._index_directory()
+        finally:
+            self._indexed.set()
         while True:
             if self.budget_bytes is not None and time.monotonic() - self._swept_at >= self.sweep_s:
                 self._swept_at = time.monotonic()
@@ -141,9 +171,11 @@ class DiskTier:
             salt, tokens, kind, tensors = item
             try:
                 path = entry_path(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens, self.block)
+                seed = chain_seed(salt)
                 header = {"model": self.model_fp, "codec": self.codec_fp, "salt": salt_key(self.secret, salt),
-                          "tokens": tokens, "kind": kind}
+                          "seed": seed.hex(), "tokens": tokens, "kind": kind}
                 size = write_entry(path, self.secret, header, tensors)
+                self._know(path, seed, tokens, sum(t.nbytes for t in tensors.values()))
                 self.counters.written_bytes += size
                 self.counters.writes += 1
                 self.counters.stored_files, self.counters.stored_bytes = (self.counters.stored_files + 1,
@@ -173,10 +205,14 @@ class DiskTier:
             for depth in range(min(top, (k + 1) * self.block - 1), max(above, k * self.block - 1), -1):
                 name = entry_name(self.secret, folder.name, tokens[k * self.block : depth])
                 if name not in names:
+                    if str(folder / name) in self._index:  # removed by another replica's eviction
+                        self._forget(folder / name)
                     continue
+                t0 = time.perf_counter()
                 try:
                     found = read_entry(folder / name, self.secret, self.model_fp, self.codec_fp, key, tokens[:depth])
                 except FileNotFoundError:  # removed by another replica's eviction meanwhile
+                    self._forget(folder / name)
                     continue
                 except DiskEntryError as e:
                     self.counters.rejected[e.reason] = self.counters.rejected.get(e.reason, 0) + 1
@@ -187,6 +223,10 @@ class DiskTier:
                     self.counters.rejected["mismatched"] = self.counters.rejected.get("mismatched", 0) + 1
                     continue
                 self.counters.hits += 1
+                self.counters.read_s += time.perf_counter() - t0
+                nbytes = sum(t.nbytes for t in found[1].values())
+                self.counters.read_bytes += nbytes
+                self._know(folder / name, chain_seed(salt), found[0]["tokens"], nbytes)
                 return found
         return None
 
@@ -216,10 +256,75 @@ class DiskTier:
                 path.unlink()
             except OSError:
                 continue
+            self._forget(path)
             total -= size
             files_left -= 1
             self._count_swept(reason, 1)
         self.counters.stored_files, self.counters.stored_bytes = files_left, total
+
+    # ------------------------------------------------------------------ the index (routing hints)
+    def marks(self, block: int, limit: int | None = None) -> list[tuple[int, int, int, int]]:
+        """Per known entry at least one block deep, most recently used first (at most `limit`): its
+        `checkpoint_mark` at `block` and its bytes, as a host tier's `marks`."""
+        with self._index_lock:
+            known = list(reversed(self._index.values()))
+        out = []
+        for e in known:
+            if e.mark is None or e.mark[0] != block:
+                tokens = list(e.tokens)
+                e.mark = (block, checkpoint_mark(tokens, block, chain=block_hashes(tokens, block, seed=e.seed)))
+            if e.mark[1] is not None:
+                out.append((*e.mark[1], e.nbytes))
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    @property
+    def read_s_per_byte(self) -> float | None:
+        """Measured seconds per byte of the hits' reads so far (None before the first)."""
+        c = self.counters
+        return c.read_s / c.read_bytes if c.read_bytes else None
+
+    @property
+    def indexed(self) -> int:
+        return len(self._index)
+
+    def _know(self, path: Path, seed: bytes, tokens: list[int], nbytes: int) -> None:
+        with self._index_lock:
+            self._index[str(path)] = Known(seed, tuple(tokens), nbytes)
+            self._index.move_to_end(str(path))
+            while len(self._index) > self.index_limit:
+                self._index.popitem(last=False)
+
+    def _forget(self, path: Path) -> None:
+        with self._index_lock:
+            self._index.pop(str(path), None)
+
+    def _index_directory(self) -> None:
+        """Index the entries of this tier's fingerprint already on disk (a restart), newest first, from their
+        headers alone: on the writer thread, below every serving thread, before its first write. Entries the
+        serving path read meanwhile stay the most recent."""
+        mine = fingerprint_dir(self.root, self.secret, self.model_fp, self.codec_fp)
+        try:
+            files = sorted(((p.stat().st_mtime, p) for p in mine.glob("*/*.ckpt")), key=lambda f: f[0], reverse=True)
+        except OSError:
+            return
+        scanned: OrderedDict[str, Known] = OrderedDict()
+        for _, path in files[: self.index_limit]:
+            try:
+                header = read_header(path)
+                seed, tokens = bytes.fromhex(header["seed"]), header["tokens"]
+                nbytes = sum(torch.Size(t["shape"]).numel() * DTYPES[t["dtype"]].itemsize for t in header["tensors"])
+            except (OSError, DiskEntryError, KeyError, TypeError, ValueError):
+                continue  # vanished, refused or written before headers kept their seed: found by lookups only
+            if isinstance(tokens, list):
+                scanned[str(path)] = Known(seed, tuple(tokens), nbytes)
+        with self._index_lock:
+            merged = OrderedDict(reversed([(k, v) for k, v in scanned.items() if k not in self._index]))
+            merged.update(self._index)
+            while len(merged) > self.index_limit:
+                merged.popitem(last=False)
+            self._index = merged
 
     def _count_swept(self, reason: str, n: int) -> None:
         if n:

@@ -116,11 +116,17 @@ class PrefixCache:
 
     def export_entry(self, tokens: list[int], limit: int, salt: str | None
                      ) -> tuple[list[int], str | None, dict[str, torch.Tensor]] | None:
-        """The deepest checkpoint of `salt` that `tokens` starts with, at most `limit` deep, from the pools or the
-        host tier, as (its tokens, its kind, host tensors in `HostStore.export`'s names): what a peer fetches.
-        None when neither holds one."""
+        """The deepest checkpoint of `salt` that `tokens` starts with, at most `limit` deep, from the pools, the host
+        tier or the disk tier (read, not filed), as (its tokens, its kind, host tensors in `HostStore.export`'s
+        names): what a peer fetches. None when none holds one."""
         res = self.tree.match(tokens, limit, salt=salt)
         entry = self.host.find(tokens, limit, salt, self.layout) if self.host is not None else None
+        held = max(res.checkpoint_len, entry.depth if entry is not None else 0)
+        if self.disk is not None and limit - held >= self.host.block:
+            found = self.disk.find(tokens, limit, salt, above=held)
+            if found is not None and self._fits(*found):
+                header, tensors = found
+                return header["tokens"], header.get("kind"), tensors
         if entry is not None and entry.depth > res.checkpoint_len:
             return list(entry.tokens), entry.kind, self.io.host.export(entry.id)
         node = res.checkpoint_node

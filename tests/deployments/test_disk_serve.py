@@ -2,13 +2,15 @@
 and persists what its pools hold) and the app deployed again on the same directory; the official client then gets
 every prompt back from disk, on whichever replica serves it, with the answer it got before the restart. The
 replicas read the deployment secret from the environment they inherit (`DASC_DISK_SECRET`; in production, the
-application's `runtime_env`)."""
+application's `runtime_env`). Before any request, the restarted replicas publish the entries on disk as marks in
+their routing stats (issue 40's tier marks)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from ray import serve
 
 from app.engine.engine import DISK_SECRET_ENV
 from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixture used here
@@ -53,6 +55,15 @@ def test_a_full_restart_resumes_every_prefix_from_disk_with_the_same_answers(dis
         assert all(r.usage.prompt_tokens_details.cached_tokens == 0 for r in before)
     assert list(root.rglob("*.ckpt")), "the stopped replicas wrote their checkpoints"
     with served(url, _args(root)):
+        # tier marks in digests (issue 40): the replicas index the directory from the files' headers and publish
+        # every entry to the router before any request reads one
+        handle = serve.get_deployment_handle("EngineReplica", "dasc")
+
+        def published() -> list | None:
+            marks = handle.record_routing_stats.remote().result().get("disk_marks") or []
+            return marks if len(marks) >= len(prompts) else None
+
+        assert all(nbytes > 0 for *_, nbytes in _wait_for(published, "the replicas publish their disk entries"))
         after = [c.completions.create(model="kda-tiny", prompt=p, max_tokens=6, temperature=0) for p in prompts]
         assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
         for r in after:

@@ -4,7 +4,8 @@ digests (the prefixes and the prefill it sent there), and when it forgets."""
 from __future__ import annotations
 
 from app.cache.digest import block_hashes, checkpoint_mark
-from deployments.routing_policy import RouterKnobs, RouterMemory, predict, rank
+from deployments.router_memory import RouterMemory
+from deployments.routing_policy import RouterKnobs, predict, rank
 
 KNOBS = RouterKnobs(block_size=4, share_window=20)
 CHAIN = block_hashes(list(range(40)), 4)  # 10 blocks

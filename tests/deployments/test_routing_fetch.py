@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from app.cache.digest import block_hashes, checkpoint_mark
-from deployments.routing_policy import Candidate, RouterKnobs, RouterMemory, choose, fetch_s, stored
+from deployments.router_memory import RouterMemory
+from deployments.routing_policy import Candidate, RouterKnobs, choose, fetch_s, stored
 from tests.deployments.test_router_memory import _Clock
 
 KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, work_weight=4.0, token_s=1e-3, fixed_s=0.0, step_tokens=10_000,
@@ -28,7 +29,7 @@ PEER = Candidate("b", can_fetch=True)
 def test_an_idle_peer_fetches_from_a_busy_holder():
     """Queueing at the holder: 3.0 s; recomputing at the peer: 0.4 s (2.0 of score with the work weight); fetching:
     0.05 s + 496 kB at 1 GB/s + one holder step (0.256 s), then 4 tokens: the fetch wins."""
-    assert stored(HOLDER, CHAIN, PROMPT, 4) == (396, 496_000)
+    assert stored(HOLDER, CHAIN, PROMPT, 4) == (396, 496_000, "pool")
     d = choose([HOLDER, PEER], CHAIN, PROMPT, KNOBS)
     assert d.ranks[0] == ["b"] and d.prediction.fetch_from == "a" and d.prediction.fetch_bytes == 496_000
     assert abs(d.prediction.ttft_s - (0.05 + 496_000e-9 + 0.256 + 4e-3)) < 1e-9
@@ -67,7 +68,7 @@ def test_no_fetch_of_what_is_not_stored_over_the_cap_without_a_host_tier_or_acro
 def test_a_host_tier_entry_of_the_holder_is_fetched_at_its_bytes():
     h, r, tail = checkpoint_mark(PROMPT[:300], 4)
     holder = replace(HOLDER, marks={}, stored_marks={}, host_marks={h: ((r, tail, 80_000),)})
-    assert stored(holder, CHAIN, PROMPT, 4) == (300, 80_000)
+    assert stored(holder, CHAIN, PROMPT, 4) == (300, 80_000, "host")
     d = choose([holder, PEER], CHAIN, PROMPT, KNOBS)
     assert d.prediction.fetch_from == "a" and d.prediction.checkpointed == 300
 
@@ -82,3 +83,17 @@ def test_the_router_reads_what_fetches_need_from_the_stats():
     memory.routed("a", CHAIN, 400, marks=[(h, 1, 2)])  # an expected mark: in `marks`, not in `stored_marks`
     c = memory.candidate("a", {"version": 1, "marks": [(h, r, tail)]}, None)
     assert (1, 2) in c.marks[h] and c.stored_marks == {h: ((r, tail),)}
+
+
+def test_a_peer_fetches_a_holders_disk_entry_priced_with_the_holders_read():
+    """A holder whose disk tier (not its pools) holds the entry: the fetch adds the holder's read of its bytes; a
+    slow disk there makes recomputing win. Pool and host entries as deep are preferred (no read)."""
+    disk = replace(HOLDER, marks={}, stored_marks={}, disk_marks={MARK[0]: ((MARK[1], MARK[2], 496_000),)},
+                   disk_s_per_byte=1e-9)
+    assert stored(disk, CHAIN, PROMPT, 4) == (396, 496_000, "disk")
+    d = choose([disk, PEER], CHAIN, PROMPT, KNOBS)
+    assert d.ranks[0] == ["b"] and d.prediction.fetch_from == "a"
+    assert abs(d.prediction.ttft_s - (0.05 + 2 * 496_000e-9 + 0.256 + 4e-3)) < 1e-9
+    assert choose([replace(disk, disk_s_per_byte=1e-5), PEER], CHAIN, PROMPT, KNOBS).prediction.fetch_from is None
+    both = replace(disk, stored_marks=POOL)
+    assert stored(both, CHAIN, PROMPT, 4) == (396, 496_000, "pool")

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from app.cache.digest import block_hashes, checkpoint_mark
-from deployments.routing_policy import Candidate, Hint, RouterKnobs, RouterMemory, predict, rank
+from deployments.router_memory import RouterMemory
+from deployments.routing_policy import Candidate, Hint, RouterKnobs, predict, rank
 from tests.deployments.test_router_memory import _Clock
 
 KNOBS = RouterKnobs(block_size=4, affinity_credit=0.5, work_weight=4.0, token_s=1e-3, fixed_s=0.0, step_tokens=10_000,
@@ -93,3 +94,20 @@ def test_the_router_reads_host_marks_from_the_stats():
     h, r, tail = checkpoint_mark(PROMPT[:300], 4)
     c = memory.candidate("a", {"version": 1, "host_marks": [(h, r, tail, 5000)], "host_s_per_byte": 2e-9}, None)
     assert c.host_marks == {h: ((r, tail, 5000),)} and c.host_s_per_byte == 2e-9
+
+
+def test_a_disk_tier_entry_counts_with_its_read_and_load_cost():
+    """Tier marks in digests (issue 40): a disk-tier entry of the prompt's first 300 tokens (100 kB) resumes there
+    after a read and a load: at 1 GB/s each (0.2 ms) it wins over a cold peer; at a 10 kB/s disk (10 s) it loses.
+    A host-tier or pool mark as deep is taken first, without the read."""
+    h, r, tail = checkpoint_mark(PROMPT[:300], 4)
+    disk = Candidate("b", disk_marks={h: ((r, tail, 100_000),)}, disk_s_per_byte=1e-9, host_s_per_byte=1e-9)
+    p = predict(disk, CHAIN, PROMPT, KNOBS)
+    assert p.checkpointed == 300 and abs(p.ttft_s - (100 * 1e-3 + 2e-4)) < 1e-9
+    assert rank([Candidate("a"), disk], CHAIN, PROMPT, KNOBS)[0] == ["b"]
+    assert rank([Candidate("a"), replace(disk, disk_s_per_byte=1e-4)], CHAIN, PROMPT, KNOBS)[0] == ["a"]
+    hosted = replace(disk, host_marks={h: ((r, tail, 100_000),)}, disk_s_per_byte=1e-4)
+    assert abs(predict(hosted, CHAIN, PROMPT, KNOBS).ttft_s - (100 * 1e-3 + 1e-4)) < 1e-9
+    memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
+    c = memory.candidate("b", {"version": 1, "disk_marks": [(h, r, tail, 100_000)], "disk_s_per_byte": 3e-9}, None)
+    assert c.disk_marks == {h: ((r, tail, 100_000),)} and c.disk_s_per_byte == 3e-9

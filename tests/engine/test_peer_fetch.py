@@ -81,3 +81,27 @@ def test_entries_of_another_salt_codec_or_prompt_are_refused(zoo):
     out = _ask(fetcher, prompts[0], "tenant-b")
     assert out.cached_tokens == 0
     fetcher.check_integrity()
+
+
+def test_an_entry_on_the_holders_disk_is_exported_and_published(zoo, tmp_path, monkeypatch):
+    """A holder restarted on its disk tier (empty pools and host tier) exports the entry from disk, read but not
+    filed, and publishes it among its disk-tier marks from the start (the directory indexed from the headers)."""
+    from app.cache.digest import checkpoint_mark
+    from app.engine.engine import DISK_SECRET_ENV
+
+    monkeypatch.setenv(DISK_SECRET_ENV, "test-deployment-secret")
+    prompt = _prompts(zoo[1], 1)[0]
+    first = _engine(zoo, disk_dir=str(tmp_path), host_mb=0.0)
+    cold = _ask(first, prompt)
+    assert first.persist() >= 1
+    holder = _engine(zoo, disk_dir=str(tmp_path), host_mb=0.0)
+    holder.cache.disk.flush()  # the index is built
+    limit = _limit(holder, prompt)
+    assert (*checkpoint_mark(prompt[:limit], 16), ) in [m[:3] for m in holder.cache.disk.marks(16)]
+    entry = holder.export_entry(prompt, limit, None)
+    assert entry is not None and entry["tokens"] == prompt[:limit]
+    assert not holder.cache.host.entries  # read for the peer, not filed here
+    fetcher = _engine(zoo, peer_fetch=True)
+    assert fetcher.import_entry(entry, prompt, None) is None
+    out = _ask(fetcher, prompt)
+    assert out.cached_tokens == limit and out.output_ids == cold.output_ids
