@@ -41,3 +41,11 @@ class ExportRequest:
     prompt_ids: list[int]
     limit: int
     salt: str | None = None
+
+
+@dataclass
+class FetchStatusRequest:
+    """An operator's (or a fault scenario's) question to one replica, `route_to` (the router sends it there alone):
+    its peer fetches under way and its fetch counters, live (`EngineReplica.peer_fetch_status`)."""
+
+    route_to: str

@@ -169,6 +169,10 @@ class PeerFetcher:
     def pending(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
     def _fail(self, reason: str) -> bool:
         self.counters["failed"][reason] = self.counters["failed"].get(reason, 0) + 1
         return False

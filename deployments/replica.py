@@ -35,7 +35,7 @@ from app.engine.errors import EngineUnavailable
 from app.engine.load import load_report
 from app.engine.tp import build_engine
 from deployments.controller import ControllerClient
-from deployments.messages import ExportRequest, GenerateRequest
+from deployments.messages import ExportRequest, FetchStatusRequest, GenerateRequest
 from deployments.peer_fetch import PeerFetcher, pack
 
 log = logging.getLogger("ray.serve")
@@ -87,6 +87,11 @@ class EngineReplica:
         began, entry = await asyncio.to_thread(self.engine.call, lambda e: (
             time.perf_counter(), e.export_entry(request.prompt_ids, request.limit, request.salt)))
         return None if entry is None else pack(entry) | {"waited_s": began - asked}  # the wait for its step
+
+    async def peer_fetch_status(self, request: FetchStatusRequest) -> dict:
+        """This replica's peer fetches under way (`in_flight`: distinct entries being pulled) and its fetch counters,
+        as of now (the /status figures are the latest telemetry window's)."""
+        return {"replica": self.replica_id, "in_flight": self.fetcher.in_flight, **self.fetcher.stats()}
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True

@@ -74,7 +74,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("disk_unwritable", "Disk tier directory becomes unwritable", disk.unwritable, "disk",
              {"concurrency": 16, "duration_s": 45.0, "settle_s": 30.0, "timeout_s": 120.0}, {"duration_s": 20.0}),
     Scenario("holder_kill", "Holder killed mid-fetch", peer.holder_kill, "fetch",
-             {"rounds": 3, "concurrency": 16, "prefix_lines": 140, "question_lines": 20, "kill_after_s": 0.3,
+             {"rounds": 3, "concurrency": 16, "prefix_lines": 140, "question_lines": 20, "fetch_wait_s": 10.0,
               "recover_s": 60.0, "timeout_s": 120.0}, {"rounds": 1}),
     Scenario("disk_tiny", "Disk tier smaller than one entry", disk.tiny, "disk_tiny",
              {"concurrency": 16, "duration_s": 30.0, "settle_s": 30.0, "timeout_s": 120.0}, {"duration_s": 15.0}),
