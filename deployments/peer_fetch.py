@@ -14,9 +14,12 @@ the router priced that below queueing at the holder and below recomputing (`rout
   so does one that came without a plan but whose prompt starts with an entry being fetched (the router counts that
   entry as this replica's from the moment it sent the first request: `expected_marks`).
 - Bounded: a fetch gives up after `timeout_s`; at most `max_inflight` run at once (more: the request recomputes);
-  the router caps an entry's bytes (`RouterKnobs.fetch_max_bytes`). Any failure (timeout, a holder that died
-  mid-fetch, nothing held any more, a refused entry) is counted by reason and costs the request a recompute, never
-  an error.
+  an entry's bytes are capped by the router (`RouterKnobs.fetch_max_bytes`) and by the object store: a replica
+  takes entries of at most its node's object-store capacity / (2 x max_inflight) (`store_room`: every fetch in
+  flight, holder's copy and fetcher's copy, within half the store, so fetches never push the store into spilling
+  on their own), publishes that room, and the router plans no fetch above the fetcher's or the holder's. Any
+  failure (timeout, a holder that died mid-fetch or is gone, nothing held any more, a refused entry, an entry
+  beyond the room) is counted by reason and costs the request a recompute, never an error.
 - Measured: each fetch's bytes and seconds, less the time the holder waited for its step in flight (it reports it:
   the router prices one holder step apart), per holder; `LinkCosts` fits a fixed cost and a cost per byte, which the
   replica publishes for the router (`fetch_costs`).
@@ -37,6 +40,21 @@ from deployments.messages import ExportRequest, GenerateRequest
 FETCH_TIMEOUT_S = 5.0
 MAX_INFLIGHT = 2
 SAMPLES = 32  # fetches per holder kept for the cost fit
+
+
+def store_room(max_inflight: int = MAX_INFLIGHT) -> int | None:
+    """The largest entry this node's Ray object store takes for a fetch: its capacity / (2 x max_inflight); None
+    outside Ray or when the node does not say."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        node = ray.get_runtime_context().get_node_id()
+        capacity = next(n["Resources"].get("object_store_memory") for n in ray.nodes() if n["NodeID"] == node)
+    except Exception:  # noqa: BLE001 - not in a Ray worker, or the node is not listed: no cap of our own
+        return None
+    return int(capacity // (2 * max_inflight)) if capacity else None
 
 
 def pack(entry: dict) -> dict:
@@ -91,9 +109,9 @@ class PeerFetcher:
     the replica's AsyncEngine."""
 
     def __init__(self, replica_id: str, engine, peers, timeout_s: float = FETCH_TIMEOUT_S,
-                 max_inflight: int = MAX_INFLIGHT) -> None:
+                 max_inflight: int = MAX_INFLIGHT, max_bytes: int | None = None) -> None:
         self.replica_id, self.engine, self._peers = replica_id, engine, peers
-        self.timeout_s, self.max_inflight = timeout_s, max_inflight
+        self.timeout_s, self.max_inflight, self.max_bytes = timeout_s, max_inflight, max_bytes
         self.links = LinkCosts()
         self._inflight = 0
         self._pending: dict[tuple, asyncio.Future] = {}  # fetches under way, by (holder, salt, depth, prefix hash)
@@ -107,6 +125,8 @@ class PeerFetcher:
         holder, depth = plan[0], (plan[2] if len(plan) > 2 else 0)
         if holder == self.replica_id:
             return self._fail("self")
+        if self.max_bytes is not None and len(plan) > 1 and plan[1] > self.max_bytes:
+            return self._fail("too_large")  # beyond the object store's room for it
         limit = len(request.prompt_ids) - 1 - tail
         depth = min(depth or limit, limit)
         key = (holder, request.params.cache_salt, depth, hash(tuple(request.prompt_ids[:depth])))
@@ -150,6 +170,8 @@ class PeerFetcher:
                 return self._fail("holder")
             if wire is None:
                 return self._fail("not_held")
+            if wire.get("gone"):  # the holder is no longer there: the router sent the call elsewhere
+                return self._fail("holder")
             entry = unpack(wire)
             why = await asyncio.to_thread(self.engine.call, lambda e: e.import_entry(entry, request.prompt_ids,
                                                                                      request.params.cache_salt))

@@ -36,7 +36,7 @@ from app.engine.load import load_report
 from app.engine.tp import build_engine
 from deployments.controller import ControllerClient
 from deployments.messages import ExportRequest, FetchStatusRequest, GenerateRequest
-from deployments.peer_fetch import PeerFetcher, pack
+from deployments.peer_fetch import PeerFetcher, pack, store_room
 
 log = logging.getLogger("ray.serve")
 SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
@@ -69,7 +69,8 @@ class EngineReplica:
         self._controller = ControllerClient(controller["actor"])
         self._task = asyncio.get_event_loop().create_task(self._telemetry_loop())
         context = serve.get_replica_context()
-        self.fetcher = PeerFetcher(self.replica_id, self.engine, lambda: self._peer_handle(context))
+        self.fetcher = PeerFetcher(self.replica_id, self.engine, lambda: self._peer_handle(context),
+                                   max_bytes=store_room())
         self._peers = None
 
     def _peer_handle(self, context):
@@ -79,10 +80,10 @@ class EngineReplica:
 
     async def export_entry(self, request: ExportRequest) -> dict | None:
         """A peer's fetch (deployments/peer_fetch.py): the deepest checkpoint this engine holds for the prompt,
-        exported between two steps, packed for the object store; None if it holds none (or the router sent the
-        request to another replica than the one it names)."""
+        exported between two steps, packed for the object store; None if it holds none; {"gone": True} if the
+        router sent it here, another replica than the one it names (that one is gone: killed, or scaled down)."""
         if request.target != self.replica_id:
-            return None
+            return {"gone": True}
         asked = time.perf_counter()
         began, entry = await asyncio.to_thread(self.engine.call, lambda e: (
             time.perf_counter(), e.export_entry(request.prompt_ids, request.limit, request.salt)))
@@ -91,7 +92,8 @@ class EngineReplica:
     async def peer_fetch_status(self, request: FetchStatusRequest) -> dict:
         """This replica's peer fetches under way (`in_flight`: distinct entries being pulled) and its fetch counters,
         as of now (the /status figures are the latest telemetry window's)."""
-        return {"replica": self.replica_id, "in_flight": self.fetcher.in_flight, **self.fetcher.stats()}
+        return {"replica": self.replica_id, "in_flight": self.fetcher.in_flight, "max_bytes": self.fetcher.max_bytes,
+                **self.fetcher.stats()}
 
     async def generate(self, request: GenerateRequest):
         start, first = time.perf_counter(), True
@@ -127,7 +129,8 @@ class EngineReplica:
             if disk is not None:
                 tier |= {"disk_marks": disk.marks(self.digest_block, DISK_MARKS),
                          "disk_s_per_byte": disk.read_s_per_byte}
-            tier |= {"can_fetch": self._can_fetch, "state_bytes": engine.codec.bytes_per_slot,
+            tier |= {"can_fetch": self._can_fetch, "fetch_room": self.fetcher.max_bytes,
+                     "state_bytes": engine.codec.bytes_per_slot,
                      "kv_bytes_per_token": engine.worker.kv.bytes_per_token,
                      "fetch_costs": self.fetcher.links.all()}
             return running, waiting, prefix_digest(engine.cache.tree, self.digest_block), {**load_report(engine),

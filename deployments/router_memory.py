@@ -112,7 +112,7 @@ class RouterMemory:
             keys=frozenset(stats.get("keys", ())) | frozenset(self._keys.get(replica_id, ())),
             host_marks=held[4], host_s_per_byte=stats.get("host_s_per_byte"),
             disk_marks=held[5], disk_s_per_byte=stats.get("disk_s_per_byte"),
-            can_fetch=bool(stats.get("can_fetch", False)), stored_marks=held[3],
+            can_fetch=bool(stats.get("can_fetch", False)), fetch_room=stats.get("fetch_room"), stored_marks=held[3],
             state_bytes=int(stats.get("state_bytes", 0)), kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)),
             fetch_costs={peer: tuple(cost) for peer, cost in (stats.get("fetch_costs") or {}).items()})
 

@@ -113,6 +113,7 @@ class Candidate:
     # pool checkpoints alone (no expected ones: a fetch needs a stored entry), what one of its pool entries weighs
     # (a checkpoint slot, and KV per token), and its measured fetch cost from each peer: (fixed s, s per byte)
     can_fetch: bool = False
+    fetch_room: int | None = None  # the largest entry its object store takes for a fetch (None: not capped)
     stored_marks: dict = field(default_factory=dict)
     state_bytes: int = 0
     kv_bytes_per_token: int = 0
@@ -226,7 +227,7 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
         if h.replica_id == c.replica_id:
             continue
         held, nbytes, tier = stored(h, chain, ids, knobs.block_size)
-        if held <= depth or nbytes > knobs.fetch_max_bytes:
+        if held <= depth or nbytes > min(knobs.fetch_max_bytes, c.fetch_room or nbytes, h.fetch_room or nbytes):
             continue
         cost = fetch_s(c, h, nbytes, knobs) + (nbytes * _disk_s(h, knobs) if tier == "disk" else 0.0)
         option = _priced(c, chain, prompt_len, held, cost, knobs, hint, h.replica_id, nbytes)

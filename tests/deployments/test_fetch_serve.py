@@ -86,7 +86,7 @@ def test_a_pinned_request_with_a_fetch_resumes_on_the_other_replica_from_the_hol
     from app.engine.request import SamplingParams
     from app.models.loader import resolve_model_dir
     from app.models.tokenizer import Tokenizer
-    from deployments.messages import GenerateRequest
+    from deployments.messages import FetchStatusRequest, GenerateRequest
 
     handle = serve.get_deployment_handle("EngineReplica", "dasc").options(stream=True)
     holder, fetcher = sorted(_replicas(app))
@@ -100,10 +100,19 @@ def test_a_pinned_request_with_a_fetch_resumes_on_the_other_replica_from_the_hol
         assert {o["replica"] for o in outs} == {replica}
         return {"cached": outs[0]["cached_tokens"], "ids": [t for o in outs for t in o["new_token_ids"]]}
 
+    def status() -> dict:
+        out = serve.get_deployment_handle("EngineReplica", "dasc").peer_fetch_status.remote(
+            FetchStatusRequest(route_to=fetcher)).result(timeout_s=10)
+        assert out["replica"] == fetcher and out["in_flight"] == 0
+        assert 2**20 < out["max_bytes"] < 2**40  # a share of its node's object store (Ray's default: 30% of RAM)
+        return out
+
+    before = status()["fetches"]
     cold = ask(holder)
     assert cold["cached"] == 0
     fetched = ask(fetcher, fetch=holder)
     assert fetched["cached"] >= len(prompt) - 64 and fetched["ids"] == cold["ids"]
+    assert status()["fetches"] == before + 1  # the live counters, from the replica it names
 
 
 def test_a_holder_killed_during_a_burst_loses_no_request(app):

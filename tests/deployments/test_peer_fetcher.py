@@ -103,7 +103,8 @@ def test_a_fetch_files_the_holders_entry_and_the_request_resumes_from_it(holder)
     (_Response(error=RayActorError()), "holder"),  # the holder died mid-fetch
     (_Response(delay_s=5.0), "timeout"),
     (_Response(None), "not_held"),
-], ids=["holder died", "timeout", "nothing held"])
+    (_Response({"gone": True}), "holder"),  # the holder was gone: the router sent the call to another replica
+], ids=["holder died", "timeout", "nothing held", "holder gone"])
 def test_a_failed_fetch_is_counted_and_the_request_recomputes(holder, response, reason):
     _, prompt = holder
     fetcher, mine = _fetcher(response, timeout_s=0.2)
@@ -112,6 +113,15 @@ def test_a_failed_fetch_is_counted_and_the_request_recomputes(holder, response, 
     assert response.cancelled == (reason == "timeout")
     assert mine.generate([prompt], GREEDY)[0][0].cached_tokens == 0  # computed as if cold
     mine.check_integrity()
+
+
+def test_an_entry_beyond_the_object_stores_room_is_not_pulled(holder):
+    engine, prompt = holder
+    wire = pack(engine.export_entry(prompt, len(prompt) - 1, None))
+    fetcher, _ = _fetcher(_Response(wire))
+    fetcher.max_bytes = 1000
+    assert not asyncio.run(fetcher.fetch(_request(prompt), tail=0, plan=("a", 5000, 0)))
+    assert fetcher.counters["failed"] == {"too_large": 1}
 
 
 def test_an_entry_for_another_salt_is_refused(holder):

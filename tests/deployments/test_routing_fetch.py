@@ -60,6 +60,10 @@ def test_no_fetch_of_what_is_not_stored_over_the_cap_without_a_host_tier_or_acro
     assert choose([expected, PEER], CHAIN, PROMPT, KNOBS).prediction.fetch_from is None
     capped = replace(KNOBS, fetch_max_bytes=400_000)
     assert choose([HOLDER, PEER], CHAIN, PROMPT, capped).prediction.fetch_from is None
+    # the object store's room, published by the fetcher or by the holder, caps it too
+    assert choose([HOLDER, replace(PEER, fetch_room=400_000)], CHAIN, PROMPT, KNOBS).prediction.fetch_from is None
+    assert choose([replace(HOLDER, fetch_room=400_000), PEER], CHAIN, PROMPT, KNOBS).prediction.fetch_from is None
+    assert choose([HOLDER, replace(PEER, fetch_room=500_000)], CHAIN, PROMPT, KNOBS).prediction.fetch_from == "a"
     assert choose([HOLDER, replace(PEER, can_fetch=False)], CHAIN, PROMPT, KNOBS).prediction.fetch_from is None
     salted = block_hashes(PROMPT, 4, "tenant-b")  # another tenant's prompt: its chain matches no mark of the holder
     assert choose([HOLDER, PEER], salted, PROMPT, KNOBS).prediction.checkpointed == 0
@@ -77,8 +81,8 @@ def test_the_router_reads_what_fetches_need_from_the_stats():
     memory = RouterMemory(remember_s=10.0, share_window=8, clock=_Clock())
     h, r, tail = MARK
     c = memory.candidate("a", {"version": 1, "marks": [(h, r, tail)], "can_fetch": True, "state_bytes": 100,
-                               "kv_bytes_per_token": 10, "fetch_costs": {"b": [0.01, 2e-9]}}, None)
-    assert c.can_fetch and c.stored_marks == {h: ((r, tail),)} and c.state_bytes == 100
+                               "kv_bytes_per_token": 10, "fetch_costs": {"b": [0.01, 2e-9]}, "fetch_room": 7}, None)
+    assert c.can_fetch and c.stored_marks == {h: ((r, tail),)} and c.state_bytes == 100 and c.fetch_room == 7
     assert c.kv_bytes_per_token == 10 and c.fetch_costs == {"b": (0.01, 2e-9)}
     memory.routed("a", CHAIN, 400, marks=[(h, 1, 2)])  # an expected mark: in `marks`, not in `stored_marks`
     c = memory.candidate("a", {"version": 1, "marks": [(h, r, tail)]}, None)
