@@ -294,10 +294,11 @@ def report_peer(results: dict) -> str:
     md += "\n\nHot prefix: concurrent requests sharing one prefix held by one replica (medians over bursts)."
     md += "\n\n" + table(
         ["arm", "TTFT mean ms", "TTFT p90 ms", "replicas used", "cached tokens (mean)", "fetches (all replicas)"], hot)
-    on, off = results.get("dense/fetch", {}).get("hot"), results.get("dense/no fetch", {}).get("hot")
-    if on and off:
-        md += (f"\n\nHot prefix, dense: mean TTFT with fetches {on['ttft_mean_s'] / off['ttft_mean_s']:.2f}x "
-               f"without, p90 {on['ttft_p90_s'] / off['ttft_p90_s']:.2f}x.")
+    for codec in ("dense", "dasc nr-W16"):
+        on, off = results.get(f"{codec}/fetch", {}).get("hot"), results.get(f"{codec}/no fetch", {}).get("hot")
+        if on and off:
+            md += (f"\n\nHot prefix, {codec}: mean TTFT with fetches {on['ttft_mean_s'] / off['ttft_mean_s']:.2f}x "
+                   f"without, p90 {on['ttft_p90_s'] / off['ttft_p90_s']:.2f}x.")
     return md + "\n"
 
 

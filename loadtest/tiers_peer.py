@@ -1,7 +1,7 @@
 """bench_tiers' peer section (`python -m loadtest.bench_tiers --section peer`, issue 40): checkpoints fetched from
 the replica that holds them, on the two-node Ray setup of `make reliability` (`ray start --head` and a second node
 on loopback, the serve config deployed with replicas reserving a whole CPU, so that Serve spreads them and objects
-move between nodes). One deployment per arm: dense with peer fetches, dasc nr-W16 with them, dense without.
+move between nodes). One deployment per arm: dense and dasc nr-W16, each with peer fetches and without.
 
 - One request, fetch against recompute: per prompt length (--peer-lengths) and repeat, a fresh prompt is warmed
   on replica A (the holder), then asked on replica B (pinned with `GenerateRequest.route_to`) with a fetch from A,
@@ -31,7 +31,8 @@ from loadtest.workloads import text_block
 
 ARMS = {"dense/fetch": {"peer_fetch": True}, "dasc nr-W16/fetch": {"peer_fetch": True, "w_max": 16.0,
                                                                       "policy": "nr"},
-        "dense/no fetch": {"peer_fetch": False}}
+        "dense/no fetch": {"peer_fetch": False},
+        "dasc nr-W16/no fetch": {"peer_fetch": False, "w_max": 16.0, "policy": "nr"}}
 ENGINE = {"checkpoint_budget_mb": 64, "compile_decode": False, "compile_prefill": False, "max_running": 32}
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -43,7 +44,7 @@ def run(args) -> dict:
         overrides = {"replicas": 2, "engine": {**ENGINE, **knobs}, "controller": {"enabled": False, "window_s": 0.5},
                      "router": {"stats_period_s": 0.5}, "api": {"max_prompt_tokens": 8192}}
         with two_nodes(args.config, overrides, args.model) as target:
-            out[arm] = asyncio.run(_arm(target, tok, args, one=arm != "dense/no fetch"))
+            out[arm] = asyncio.run(_arm(target, tok, args, one=knobs["peer_fetch"]))
         print(arm, {k: v for k, v in out[arm].items() if k != "trials"}, flush=True)
     return out
 
