@@ -14,7 +14,20 @@ from contextlib import contextmanager
 import httpx
 
 
-def free_port() -> int:
+def free_port(outside_ephemeral: bool = False) -> int:
+    """A port free on loopback now. outside_ephemeral: one from 20000-32767, below the kernel's ephemeral range and
+    above Ray's worker ports, for a server that binds it after Ray has started processes, which take ephemeral
+    ports of their own (one of them may be the port handed out here otherwise)."""
+    if outside_ephemeral:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randint(20000, 32767)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

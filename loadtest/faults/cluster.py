@@ -309,7 +309,7 @@ def two_nodes(config: str | Path, overrides: dict, model: str):
     import ray
     from ray import serve
 
-    gcs, dashboard, port = free_port(), free_port(), free_port()
+    gcs, dashboard, port = free_port(True), free_port(True), free_port(True)
     stack = ExitStack()
     stack.enter_context(_cluster_token())
     head = _ray_start("--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
