@@ -3,13 +3,14 @@ the router priced that below queueing at the holder and below recomputing (`rout
 `GenerateRequest.fetch`).
 
 - The fetcher calls the holder's `export_entry` through a DeploymentHandle with an `ExportRequest` naming the
-  holder, which our router sends to that replica alone. The holder's engine exports between two steps (at the cost
-  of at most one step): the deepest checkpoint of the request's salt the prompt starts with, from its pools or its
-  host tier, with its prefix's KV, as host tensors (`Engine.export_entry`). They travel as raw bytes (`pack`, numpy
+  holder, which our router sends to that replica alone. The holder's engine exports holding its cache lock alone
+  (`AsyncEngine.cache_call`): during a step's forward or between steps, never waiting for a forward. It exports
+  the deepest checkpoint of the request's salt the prompt starts with, from its pools, its host tier or its disk
+  tier, with its prefix's KV, as host tensors (`Engine.export_entry`). They travel as raw bytes (`pack`, numpy
   uint8 views: Ray's object store takes them out of band, without pickling tensors) and come back as tensors
   (`unpack`).
-- The fetcher files the entry into its host tier (`Engine.import_entry`: fingerprints, salt and tokens checked);
-  the request's admission then loads it as any host-tier hit.
+- The fetcher files the entry into its host tier (`Engine.import_entry`: fingerprints, salt and tokens checked;
+  under the cache lock alone, as the export), and the request's admission then loads it as any host-tier hit.
 - Shared: a request whose entry (same holder, salt and prefix) is being fetched already waits for that fetch, and
   so does one that came without a plan but whose prompt starts with an entry being fetched (the router counts that
   entry as this replica's from the moment it sent the first request: `expected_marks`).
@@ -20,9 +21,9 @@ the router priced that below queueing at the holder and below recomputing (`rout
   on their own), publishes that room, and the router plans no fetch above the fetcher's or the holder's. Any
   failure (timeout, a holder that died mid-fetch or is gone, nothing held any more, a refused entry, an entry
   beyond the room) is counted by reason and costs the request a recompute, never an error.
-- Measured: each fetch's bytes and seconds, less the time the holder waited for its step in flight (it reports it:
-  the router prices one holder step apart), per holder; `LinkCosts` fits a fixed cost and a cost per byte, which the
-  replica publishes for the router (`fetch_costs`).
+- Measured: each fetch's bytes and seconds, less the time the holder waited for its cache lock (it reports it: the
+  router prices the holder's step bookkeeping apart), per holder; `LinkCosts` fits a fixed cost and a cost per
+  byte, which the replica publishes for the router (`fetch_costs`).
 """
 
 from __future__ import annotations
@@ -173,14 +174,14 @@ class PeerFetcher:
             if wire.get("gone"):  # the holder is no longer there: the router sent the call elsewhere
                 return self._fail("holder")
             entry = unpack(wire)
-            why = await asyncio.to_thread(self.engine.call, lambda e: e.import_entry(entry, request.prompt_ids,
+            why = await asyncio.to_thread(self.engine.cache_call, lambda e: e.import_entry(entry, request.prompt_ids,
                                                                                      request.params.cache_salt))
             if why is not None:
                 return self._fail(why)
         finally:
             self._inflight -= 1
         seconds, size = time.perf_counter() - start, nbytes(entry)
-        # the link's cost, without the wait for the holder's step in flight (the router adds one holder step itself)
+        # the link's cost, without the holder's wait for its cache lock (the router prices that apart)
         self.links.add(holder, size, max(0.0, seconds - float(wire.get("waited_s", 0.0))))
         self.counters["fetches"] += 1
         self.counters["fetched_bytes"] += size

@@ -80,12 +80,13 @@ class EngineReplica:
 
     async def export_entry(self, request: ExportRequest) -> dict | None:
         """A peer's fetch (deployments/peer_fetch.py): the deepest checkpoint this engine holds for the prompt,
-        exported between two steps, packed for the object store; None if it holds none; {"gone": True} if the
-        router sent it here, another replica than the one it names (that one is gone: killed, or scaled down)."""
+        exported between two steps or during a step's forward (`AsyncEngine.cache_call`), packed for the object
+        store; None if it holds none; {"gone": True} if the router sent it here, another replica than the one it
+        names (that one is gone: killed, or scaled down)."""
         if request.target != self.replica_id:
             return {"gone": True}
         asked = time.perf_counter()
-        began, entry = await asyncio.to_thread(self.engine.call, lambda e: (
+        began, entry = await asyncio.to_thread(self.engine.cache_call, lambda e: (
             time.perf_counter(), e.export_entry(request.prompt_ids, request.limit, request.salt)))
         return None if entry is None else pack(entry) | {"waited_s": began - asked}  # the wait for its step
 

@@ -280,13 +280,10 @@ def _disk_s(c: Candidate, knobs: RouterKnobs) -> float:
 
 def fetch_s(c: Candidate, h: Candidate, nbytes: int, knobs: RouterKnobs) -> float:
     """What pulling `nbytes` from holder `h` to `c` costs before `c` can resume: the fixed cost and bytes at what
-    `c` measured from `h` (the knobs' guess before a first fetch), plus one of `h`'s steps (it exports between
-    steps)."""
+    `c` measured from `h` (the knobs' guess before a first fetch), plus `h`'s fixed step cost: it exports during a
+    step's forward or between steps, waiting at most for a step's bookkeeping, not for its forward."""
     fixed, per_byte = c.fetch_costs.get(h.replica_id, (knobs.fetch_fixed_s, knobs.fetch_s_per_byte))
-    budget = h.step_tokens or knobs.step_tokens
-    step = (knobs.fixed_s if h.fixed_s is None else h.fixed_s) + \
-        (knobs.token_s if h.token_s is None else h.token_s) * min(h.queued + h.decoding, budget)
-    return fixed + per_byte * nbytes + step
+    return fixed + per_byte * nbytes + (knobs.fixed_s if h.fixed_s is None else h.fixed_s)
 
 
 def with_peer_costs(candidates: list[Candidate]) -> list[Candidate]:

@@ -11,6 +11,12 @@ the pools hold more threads than there are CPUs, every team sleeps between regio
 for waking its workers. An engine built in the main thread (which then keeps idle workers) and stepped here ran
 1.8x slower on a 2-core machine (loadtest/bench_async.py, docs/serving.md). Once the engine is built, the
 objects alive then are frozen out of garbage collection (`_freeze_heap`), as vLLM does after its start-up.
+
+Two locks: `_engine_lock`, held for a whole step (and by `call`), and the engine's `cache_lock`, held by the step
+thread too except while the worker runs a step's forward, which reads and writes no stored entry (only KV slots
+allocated for the step and its sequences' working states). `cache_call` takes the cache lock alone: reading stored
+entries and filing into the host tier (a peer's export and import) run between steps or during a forward, without
+waiting for the step in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 
 from app.engine.engine import Engine
 from app.engine.errors import EngineError, EngineUnavailable, Overloaded, QueueTimeout
@@ -53,6 +60,7 @@ class AsyncEngine:
             try:
                 if self.engine is None:
                     self.engine = engine()
+                self.engine.open_forward = True  # steps let go of the cache lock during their forward
             except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
                 failed.append(e)
             finally:
@@ -122,13 +130,27 @@ class AsyncEngine:
     def snapshot(self) -> dict:
         """Engine telemetry (waits for the step in flight, if any), with `rejected`: requests refused as
         overloaded so far."""
-        with self._engine_lock:
+        with self._exclusive():
             return {**self.engine.snapshot(), "rejected": self._rejected}
 
     def call(self, fn, *args):
         """Run `fn(engine, *args)` between steps, e.g. to retune the cache."""
-        with self._engine_lock:
+        with self._exclusive():
             return fn(self.engine, *args)
+
+    def cache_call(self, fn, *args):
+        """Run `fn(engine, *args)` holding the engine's cache lock alone: between steps, or while the step thread runs
+        a forward (see the module doc). `fn` may read stored entries and change the host tier, never the pools or
+        the tree, which a forward uses: a peer's export and its filing at the fetcher (`Engine.export_entry`,
+        `Engine.import_entry`)."""
+        with self.engine.cache_lock:
+            return fn(self.engine, *args)
+
+    @contextmanager
+    def _exclusive(self):
+        """Both locks, in their order: no step, no `cache_call` meanwhile."""
+        with self._engine_lock, self.engine.cache_lock:
+            yield
 
     def check_alive(self, timeout_s: float = 10.0) -> None:
         """Raise EngineUnavailable unless the step thread is alive and comes round its loop within `timeout_s`
@@ -186,7 +208,7 @@ class AsyncEngine:
         self._fail_all(exc)
         with self._cv:
             aborts, self._aborts = self._aborts, []
-        with self._engine_lock:  # bookkeeping only: no worker call
+        with self._exclusive():  # bookkeeping only: no worker call
             for request_id in aborts:
                 self.engine.abort(request_id)
 
@@ -204,7 +226,7 @@ class AsyncEngine:
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
                 self._waiting += len(pending)  # in transit: still counted until `_expire_and_count` recounts
-            with self._engine_lock:
+            with self._exclusive():
                 for prompt, params, request_id in pending:
                     try:
                         self.engine.add_request(prompt, params, request_id)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -51,6 +52,9 @@ class Engine:
         cfg = cfg or EngineConfig()
         self.model, self.tokenizer, self.cfg = model.eval(), tokenizer, cfg
         self.worker = worker or Worker(model, cfg, codec)
+        # the tree, the pools and the tiers: whoever steps or changes them holds it; an AsyncEngine sets open_forward,
+        # and `run_works` then lets go of it while the worker runs the forward (app/engine/async_engine.py)
+        self.cache_lock, self.open_forward = threading.Lock(), False
         staged = cfg.disk_dir or (cfg.peer_fetch and isinstance(self.worker, Worker))
         host = HostTier(self._host_bytes(cfg, model), self.worker.kv.bytes_per_token) if cfg.host_mb > 0 or \
             staged else None
@@ -122,7 +126,8 @@ class Engine:
     def export_entry(self, tokens: list[int], limit: int, salt: str | None) -> dict | None:
         """What a peer fetches (issue 40): the deepest checkpoint of `salt` that `tokens` starts with, at most `limit`
         deep, with its prefix's KV, as host tensors, and the fingerprints and salt it is valid for; None when this
-        engine holds none (or runs TP > 1). Call it between steps."""
+        engine holds none (or runs TP > 1). Call it holding the cache lock (`AsyncEngine.cache_call`): it only reads
+        stored entries (and a disk file)."""
         found = self.cache.export_entry(tokens, limit, salt) if isinstance(self.worker, Worker) else None
         if found is None:
             return None
@@ -133,7 +138,8 @@ class Engine:
     def import_entry(self, entry: dict, prompt: list[int], salt: str | None) -> str | None:
         """File a peer's `export_entry` for a request of `prompt` under `salt` into the host tier (its admission then
         loads it); None when filed, else why not: another model or codec (fingerprints), another salt, tokens that do
-        not start the prompt, tensors of other shapes, no room. Call it between steps."""
+        not start the prompt, tensors of other shapes, no room. Call it holding the cache lock
+        (`AsyncEngine.cache_call`): it changes the host tier alone."""
         if self.cache.host is None or not isinstance(self.worker, Worker):
             return "no host tier"
         tokens = entry.get("tokens") or []
@@ -316,9 +322,18 @@ class Engine:
 
     def run_works(self, works: list[Work]) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
         """One forward for the step's pieces (`step_inputs`): greedy picks and raw logits keyed by id(seq)
-        (`split_rows`); prompt logprobs collected on the way."""
+        (`split_rows`); prompt logprobs collected on the way. Under an AsyncEngine (`open_forward`) the forward
+        runs without the cache lock: it touches only the step's new KV slots and its sequences' working states, so
+        readers of stored entries (`AsyncEngine.cache_call`) need not wait for it."""
         batch = step_inputs(works, self.keep_logits)
-        tokens, logits = self.worker.run(batch)
+        if self.open_forward:
+            self.cache_lock.release()
+            try:
+                tokens, logits = self.worker.run(batch)
+            finally:
+                self.cache_lock.acquire()
+        else:
+            tokens, logits = self.worker.run(batch)
         for i in batch.every_row:
             collect_prompt_logprobs(works[i], self.worker.piece_logits[i])
         return split_rows(works, batch, tokens, logits)

@@ -23,13 +23,15 @@ GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
 class _Calls:
-    """An AsyncEngine's `call` over a plain engine."""
+    """An AsyncEngine's `call` and `cache_call` over a plain engine."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def call(self, fn):
         return fn(self.engine)
+
+    cache_call = call
 
 
 class _Response:

@@ -20,19 +20,21 @@ CHAIN = block_hashes(PROMPT, 4)
 MARK = checkpoint_mark(PROMPT[:396], 4)  # the holder's checkpoint: the prompt's first 396 tokens
 POOL = {MARK[0]: ((MARK[1], MARK[2]),)}
 # the holder: a pool checkpoint it published, 100 kB a slot and 1 kB of KV a token (496 kB for this entry), busy
-# with 3,000 tokens queued; its steps take at most 256 tokens (0.256 s at 1 ms a token)
+# with 3,000 tokens queued; its steps take at most 256 tokens (0.256 s at 1 ms a token), plus 10 ms each whatever
+# their tokens (its bookkeeping, which an export may wait for)
 HOLDER = Candidate("a", marks=POOL, stored_marks=POOL, state_bytes=100_000, kv_bytes_per_token=1_000, queued=3000,
-                   step_tokens=256)
+                   step_tokens=256, fixed_s=0.01, token_s=1e-3)
 PEER = Candidate("b", can_fetch=True)
 
 
 def test_an_idle_peer_fetches_from_a_busy_holder():
-    """Queueing at the holder: 3.0 s; recomputing at the peer: 0.4 s (2.0 of score with the work weight); fetching:
-    0.05 s + 496 kB at 1 GB/s + one holder step (0.256 s), then 4 tokens: the fetch wins."""
+    """Queueing at the holder: 3.1 s; recomputing at the peer: 0.4 s (2.0 of score with the work weight); fetching:
+    0.05 s + 496 kB at 1 GB/s + the holder's step bookkeeping (10 ms), then one step of 4 tokens (the peer, not
+    measured yet, is taken to cost what the holder does: 10 ms + 4 ms): the fetch wins."""
     assert stored(HOLDER, CHAIN, PROMPT, 4) == (396, 496_000, "pool")
     d = choose([HOLDER, PEER], CHAIN, PROMPT, KNOBS)
     assert d.ranks[0] == ["b"] and d.prediction.fetch_from == "a" and d.prediction.fetch_bytes == 496_000
-    assert abs(d.prediction.ttft_s - (0.05 + 496_000e-9 + 0.256 + 4e-3)) < 1e-9
+    assert abs(d.prediction.ttft_s - (0.05 + 496_000e-9 + 0.01 + 0.01 + 4e-3)) < 1e-9
 
 
 def test_a_slow_link_recomputes_instead():
@@ -48,11 +50,13 @@ def test_an_idle_holder_keeps_the_request():
     assert d.predictions["b"].fetch_from == "a"  # were Ray to send it to its second choice, that one fetches
 
 
-def test_a_busy_holders_step_counts_in_the_fetch():
-    """A holder exports between its steps: a step of 2,000 tokens (2 s) makes the fetch lose to recomputing."""
-    d = choose([replace(HOLDER, step_tokens=2000), PEER], CHAIN, PROMPT, KNOBS)
+def test_a_holders_step_bookkeeping_counts_in_the_fetch_its_forward_does_not():
+    """A holder exports during its forward (cache_call), so its step's size does not delay a fetch; its step's
+    fixed cost (bookkeeping under the cache lock) does: at 2 s a step, recomputing wins."""
+    assert fetch_s(PEER, replace(HOLDER, step_tokens=2000), 496_000, KNOBS) == fetch_s(PEER, HOLDER, 496_000, KNOBS)
+    d = choose([replace(HOLDER, fixed_s=2.0), PEER], CHAIN, PROMPT, KNOBS)
     assert d.prediction.fetch_from is None and d.ranks[0] == ["b"]
-    assert fetch_s(PEER, replace(HOLDER, step_tokens=2000), 496_000, KNOBS) > 2.0
+    assert fetch_s(PEER, replace(HOLDER, fixed_s=2.0), 496_000, KNOBS) > 2.0
 
 
 def test_no_fetch_of_what_is_not_stored_over_the_cap_without_a_host_tier_or_across_salts():
@@ -97,7 +101,7 @@ def test_a_peer_fetches_a_holders_disk_entry_priced_with_the_holders_read():
     assert stored(disk, CHAIN, PROMPT, 4) == (396, 496_000, "disk")
     d = choose([disk, PEER], CHAIN, PROMPT, KNOBS)
     assert d.ranks[0] == ["b"] and d.prediction.fetch_from == "a"
-    assert abs(d.prediction.ttft_s - (0.05 + 2 * 496_000e-9 + 0.256 + 4e-3)) < 1e-9
+    assert abs(d.prediction.ttft_s - (0.05 + 2 * 496_000e-9 + 0.01 + 0.01 + 4e-3)) < 1e-9
     assert choose([replace(disk, disk_s_per_byte=1e-5), PEER], CHAIN, PROMPT, KNOBS).prediction.fetch_from is None
     both = replace(disk, stored_marks=POOL)
     assert stored(both, CHAIN, PROMPT, 4) == (396, 496_000, "pool")
