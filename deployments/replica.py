@@ -126,10 +126,6 @@ class EngineReplica:
             host = engine.cache.host
             tier = {"host_marks": host.marks(self.digest_block), "host_s_per_byte": host.load_s_per_byte} \
                 if host is not None else {}
-            disk = engine.cache.disk
-            if disk is not None:
-                tier |= {"disk_marks": disk.marks(self.digest_block, DISK_MARKS),
-                         "disk_s_per_byte": disk.read_s_per_byte}
             tier |= {"can_fetch": self._can_fetch, "fetch_room": self.fetcher.max_bytes,
                      "state_bytes": engine.codec.bytes_per_slot,
                      "kv_bytes_per_token": engine.worker.kv.bytes_per_token,
@@ -138,6 +134,10 @@ class EngineReplica:
                                                                                           **tier}
 
         running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.call, collect)
+        disk = self.engine.engine.cache.disk
+        if disk is not None:  # its own lock: hashing a restarted tier's index must not hold up a step
+            load |= {"disk_marks": await asyncio.to_thread(disk.marks, self.digest_block, DISK_MARKS),
+                     "disk_s_per_byte": disk.read_s_per_byte}
         self._waiting_peak = max(self._waiting_peak, waiting)
         self._stats_version += 1
         return {"queue": running + waiting, "digest": digest, "marks": marks, "version": self._stats_version,
