@@ -133,7 +133,8 @@ class EngineReplica:
             return running, waiting, prefix_digest(engine.cache.tree, self.digest_block), {**load_report(engine),
                                                                                           **tier}
 
-        running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.call, collect)
+        # under the cache lock alone: read during a step's forward, the stats need not wait for it
+        running, waiting, (digest, marks), load = await asyncio.to_thread(self.engine.cache_call, collect)
         disk = self.engine.engine.cache.disk
         if disk is not None:  # its own lock: hashing a restarted tier's index must not hold up a step
             load |= {"disk_marks": await asyncio.to_thread(disk.marks, self.digest_block, DISK_MARKS),

@@ -14,9 +14,9 @@ objects alive then are frozen out of garbage collection (`_freeze_heap`), as vLL
 
 Two locks: `_engine_lock`, held for a whole step (and by `call`), and the engine's `cache_lock`, held by the step
 thread too except while the worker runs a step's forward, which reads and writes no stored entry (only KV slots
-allocated for the step and its sequences' working states). `cache_call` takes the cache lock alone: reading stored
-entries and filing into the host tier (a peer's export and import) run between steps or during a forward, without
-waiting for the step in flight.
+allocated for the step and its sequences' working states). `cache_call` takes the cache lock alone: reading the tree,
+the queues and stored entries, and filing into the host tier (a peer's export and import, a replica's routing
+stats) run between steps or during a forward, without waiting for the step in flight.
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ class AsyncEngine:
 
     def cache_call(self, fn, *args):
         """Run `fn(engine, *args)` holding the engine's cache lock alone: between steps, or while the step thread runs
-        a forward (see the module doc). `fn` may read stored entries and change the host tier, never the pools or
-        the tree, which a forward uses: a peer's export and its filing at the fetcher (`Engine.export_entry`,
-        `Engine.import_entry`)."""
+        a forward (see the module doc). `fn` may read the tree, the queues and stored entries and change the host
+        tier, never the pools or the tree: a peer's export and its filing at the fetcher (`Engine.export_entry`,
+        `Engine.import_entry`), a replica's routing stats."""
         with self.engine.cache_lock:
             return fn(self.engine, *args)
 
