@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from app.api import limits, tool_answers, tools
+from app.api.answers import collect, first_output, sse
 from app.api.errors import ApiError, openapi_responses
 from app.api.hints import RouteHint
 from app.api.recall import continue_ids
@@ -106,7 +107,7 @@ register_fields(ResponsesRequest, ResponseTool, NamedResponseTool, TextOptions, 
 
 
 def register(app: FastAPI, backend, settings, recall, routes) -> Responses:
-    """Add the Responses routes to `app`; `routes` is app.api.routes (its generation helpers). The store is the
+    """Add the Responses routes to `app`; `routes` holds app.api.routes' `_validate` and `_start`. The store is the
     backend's `responses` where it has one (Serve's: a named actor), else one in this process."""
     store = getattr(backend, "responses", None) or LocalResponses(ResponseStore(
         settings.max_stored_responses, settings.max_stored_response_bytes, settings.stored_response_age_s))
@@ -159,14 +160,14 @@ def register(app: FastAPI, backend, settings, recall, routes) -> Responses:
 
         if body.stream:
             shell = _body(rid, body, "", [], None, None, 0, settings.model_name)
-            return routes._sse(_stream(await routes._first(outputs), plan if reads_calls else None, tok, rid, shell,
+            return sse(_stream(await first_output(outputs), plan if reads_calls else None, tok, rid, shell,
                                        conclude))
         if reads_calls:
             choices, head = await tool_answers.collect(aiter(outputs), plan, (), 1, tok)
             answer = choices[0]
             return await conclude(answer.parser.content, answer.parser.calls, answer.finish_reason, head,
                                   answer.ids)
-        final, _, _ = await routes._collect(outputs)
+        final, _, _ = await collect(outputs)
         head = final[(0, 0)]
         return await conclude(head.text, [], head.finish_reason, head, head.output_ids)
 

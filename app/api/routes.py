@@ -3,18 +3,16 @@
 Errors are OpenAI-style JSON (app/api/errors.py). In front of the routes, `Guard` (app/api/guards.py) checks the
 key, the body size and admission, and turns any unhandled exception into a JSON 500; CORS is on only when
 `cors_origins` names origins. The prompts of one request are generated concurrently and streamed through a
-bounded buffer (app/api/streams.py). Request bodies are in app/api/schemas.py; caps an operator sets are
-checked here (app/api/limits.py).
+bounded buffer (app/api/streams.py), and leave collected whole or as server-sent chunks (app/api/answers.py).
+Request bodies are in app/api/schemas.py; caps an operator sets are checked here (app/api/limits.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Protocol
@@ -22,11 +20,12 @@ from typing import Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import limits, responses, tool_answers, tools
-from app.api.errors import ApiError, error_response, from_backend, openapi_responses, strip_422
+from app.api.answers import chat_chunks, chat_tool_chunks, collect, completion_chunks, fingerprint, first_output, sse
+from app.api.errors import ApiError, error_response, openapi_responses, strip_422
 from app.api.guards import Guard, RequestId
 from app.api.hints import RouteHint
 from app.api.logprobs import CompletionLogprobs, chat_logprobs
@@ -36,7 +35,6 @@ from app.api.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
     now,
     usage,
 )
@@ -115,8 +113,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     _handlers(app)
     _documented_errors_only(app)
-    responses.register(app, backend, settings, recall, SimpleNamespace(
-        _validate=_validate, _start=_start, _collect=_collect, _first=_first, _sse=_sse))
+    responses.register(app, backend, settings, recall, SimpleNamespace(_validate=_validate, _start=_start))
 
     @app.get("/health", responses=openapi_responses(503))
     async def health():
@@ -167,9 +164,9 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         rid = _request_id("cmpl", request)
         outputs = _start(backend, prompts, params, settings, body.stream, RouteHint(body.prompt_cache_key))
         if body.stream:
-            first = await _first(outputs)
-            return _sse(_stream_completions(first, prompts, params, body, rid, settings, tok))
-        final, entries, prompt_entries = await _collect(outputs, params.logprobs is not None)
+            first = await first_output(outputs)
+            return sse(completion_chunks(first, prompts, params, body, rid, settings, tok))
+        final, entries, prompt_entries = await collect(outputs, params.logprobs is not None)
         choices, comp_t = [], 0
         for (i, j), out in sorted(final.items()):
             text = (tok.decode(prompts[i]) if body.echo else "") + out.text
@@ -181,7 +178,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
             comp_t += len(out.output_ids)
         heads = [final[(i, 0)] for i in range(len(prompts))]
         return {"id": rid, "object": "text_completion", "created": now(), "model": settings.model_name,
-                "system_fingerprint": _fingerprint(heads[0]), "choices": choices,
+                "system_fingerprint": fingerprint(heads[0]), "choices": choices,
                 "usage": usage(sum(h.prompt_tokens for h in heads), comp_t, sum(h.cached_tokens for h in heads),
                                any(o.compressed_hit for o in final.values()))}
 
@@ -204,16 +201,16 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
             return await _chat_tools(body, plan, prompt, params, rid, settings, tok)
         outputs = _start(backend, [prompt], params, settings, body.stream, RouteHint(body.prompt_cache_key))
         if body.stream:
-            return _sse(_stream_chat(await _first(outputs), body, rid, settings, tok, lambda ids: _remember(
+            return sse(chat_chunks(await first_output(outputs), body, rid, settings, tok, lambda ids: _remember(
                 body, prompt, ids)))
-        final, entries, _ = await _collect(outputs, params.logprobs is not None)
+        final, entries, _ = await collect(outputs, params.logprobs is not None)
         outs = [out for _, out in sorted(final.items())]
         _remember(body, prompt, [o.output_ids for o in outs])
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": None if params.logprobs is None else chat_logprobs(tok, *zip(*entries[(0, o.index)])),
                     "finish_reason": o.finish_reason} for o in outs]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
-                "system_fingerprint": _fingerprint(outs[0]), "choices": choices,
+                "system_fingerprint": fingerprint(outs[0]), "choices": choices,
                 "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens,
                                any(o.compressed_hit for o in outs))}
 
@@ -228,7 +225,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         stops = tuple(body.stop or ()) if not plan.forced else ()
         outputs = _start(backend, [prompt], params, settings, True, RouteHint(body.prompt_cache_key))
         if body.stream:
-            return _sse(_stream_chat_tools(await _first(outputs), body, plan, stops, params, rid, settings, tok,
+            return sse(chat_tool_chunks(await first_output(outputs), body, plan, stops, params, rid, settings, tok,
                                            lambda ids: _remember(body, prompt, ids)))
         choices, head = await tool_answers.collect(aiter(outputs), plan, stops, params.n, tok)
         _remember(body, prompt, [c.ids for _, c in sorted(choices.items())])
@@ -236,7 +233,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                     "logprobs": chat_logprobs(tok, *zip(*c.entries)) if params.logprobs is not None else None}
                    for j, c in sorted(choices.items())]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
-                "system_fingerprint": _fingerprint(head), "choices": answers,
+                "system_fingerprint": fingerprint(head), "choices": answers,
                 "usage": usage(head.prompt_tokens, sum(len(c.ids) for c in choices.values()), head.cached_tokens,
                                head.compressed_hit)}
 
@@ -277,11 +274,6 @@ def _request_id(kind: str, request: Request) -> str:
     return rid
 
 
-def _fingerprint(out: RequestOutput) -> str:
-    """`system_fingerprint` names the engine replica that served the request ("dasc-<replica>")."""
-    return f"dasc-{out.replica or 'local'}"
-
-
 def _validate(backend: Backend, prompt: list[int], params: SamplingParams) -> None:
     try:
         backend.validate(prompt, params)
@@ -295,141 +287,3 @@ def _start(backend: Backend, prompts: list[list[int]], params: SamplingParams, s
     deadline = time.time() + settings.queue_timeout_s
     return Outputs([backend.generate(p, params, deadline=deadline, stream=stream, hint=hint) for p in prompts],
                    settings.max_buffered_chunks if stream else None)
-
-
-async def _collect(outputs: Outputs, logprobs: bool = False) -> tuple[dict[tuple[int, int], RequestOutput], dict,
-                                                                       dict[int, list]]:
-    """The final output of each sequence, keyed by (prompt index, sequence index); with `logprobs`, also each
-    sequence's (token id, logprobs entry) pairs in order, under the same keys, and each prompt's entries (when
-    the request asked for them) by prompt index."""
-    final, entries, prompt_entries = {}, {}, {}
-    try:
-        async for i, out in outputs:
-            if logprobs:
-                entries.setdefault((i, out.index), []).extend(zip(out.new_token_ids, out.new_logprobs or ()))
-                if out.prompt_logprobs is not None:
-                    prompt_entries[i] = out.prompt_logprobs
-            if out.finished:
-                final[(i, out.index)] = out
-    except Exception as e:
-        raise from_backend(e) from e
-    return final, entries, prompt_entries
-
-
-async def _first(outputs: Outputs) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs, with the first one already awaited: a request refused or failed before its first token
-    gets its HTTP status (429, 503, ...) instead of a 200 stream holding an error event."""
-    rest = aiter(outputs)
-    try:
-        head = await anext(rest)
-    except Exception as e:
-        raise from_backend(e) from e
-
-    async def chained():
-        yield head
-        async with aclosing(rest):
-            async for item in rest:
-                yield item
-
-    return chained()
-
-
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        try:
-            async with aclosing(chunks):  # leaving early (client gone) closes the chain down to the engine
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-        except Exception as e:  # the stream has started: an error event, then [DONE]
-            err = from_backend(e)
-            yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _stream_completions(outputs, prompts, params, body, rid, settings, tok) -> AsyncIterator[dict]:
-    created, prompt_t, comp_t, cached, seen, lps, prompt_lps, compressed = now(), 0, 0, 0, set(), {}, {}, False
-    first = None
-    late_echo = body.echo and params.logprobs is not None  # the echo chunk waits for the prompt's logprobs
-    if body.echo and not late_echo:
-        for i, prompt in enumerate(prompts):
-            for j in range(params.n):
-                yield _text_chunk(rid, created, settings, i * params.n + j, tok.decode(prompt), None)
-    async with aclosing(outputs):
-        async for i, out in outputs:
-            if out.prompt_logprobs is not None:
-                prompt_lps[i] = out.prompt_logprobs
-            if late_echo and (i, out.index) not in lps:
-                lp = lps.setdefault((i, out.index), CompletionLogprobs(tok)).chunk(prompts[i], prompt_lps[i])
-                yield _text_chunk(rid, created, settings, i * params.n + out.index, tok.decode(prompts[i]), None, lp)
-            compressed, first = compressed or out.compressed_hit, first or out
-            if i not in seen:
-                seen.add(i)
-                prompt_t, cached = prompt_t + out.prompt_tokens, cached + out.cached_tokens
-            comp_t += len(out.new_token_ids)
-            lp = None
-            if out.new_logprobs:  # a chunk per token: one whose text is held back still reports its logprobs
-                lp = lps.setdefault((i, out.index), CompletionLogprobs(tok)).chunk(out.new_token_ids,
-                                                                                   out.new_logprobs)
-            if out.new_text or out.finished or lp:
-                yield _text_chunk(rid, created, settings, i * params.n + out.index, out.new_text, out.finish_reason,
-                                  lp)
-    if body.include_usage:
-        yield {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-               "choices": [], "usage": usage(prompt_t, comp_t, cached, compressed),
-               **({"system_fingerprint": _fingerprint(first)} if first is not None else {})}
-
-
-async def _stream_chat(outputs, body, rid, settings, tok, remember) -> AsyncIterator[dict]:
-    created, comp_t, started, head, compressed, ids = now(), 0, set(), None, False, {}
-    async with aclosing(outputs):
-        async for _, out in outputs:
-            head, compressed = head or out, compressed or out.compressed_hit
-            comp_t += len(out.new_token_ids)
-            ids.setdefault(out.index, []).extend(out.new_token_ids)
-            delta = {} if out.index in started else {"role": "assistant"}
-            started.add(out.index)
-            if out.new_text:
-                delta["content"] = out.new_text
-            lp = chat_logprobs(tok, out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
-            if delta or out.finished or lp:
-                choice = {"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
-                yield {"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": settings.model_name, "choices": [choice]}
-    remember([v for _, v in sorted(ids.items())])
-    if body.include_usage and head is not None:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
-               "system_fingerprint": _fingerprint(head), "choices": [],
-               "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens, compressed)}
-
-
-async def _stream_chat_tools(outputs, body, plan, stops, params, rid, settings, tok, remember) -> AsyncIterator[dict]:
-    """A tool-reading chat's chunks: per choice, the role first, then its content and tool-call deltas; the
-    finish_reason (and logprobs) on the chunk of the output that carried them."""
-    created, choices, heads = now(), {}, []
-
-    def chunk(index: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-
-    started = set()
-    async for j, deltas, finish, lp in tool_answers.events(outputs, plan, stops, params.n, tok, choices, heads):
-        if j not in started:
-            started.add(j)
-            yield chunk(j, {"role": "assistant", "content": ""})
-        for k, delta in enumerate(deltas):
-            yield chunk(j, delta, None, lp if k == 0 else None)
-        if finish is not None or (lp and not deltas):
-            yield chunk(j, {}, finish, None if deltas else lp)
-    remember([c.ids for _, c in sorted(choices.items())])
-    if body.include_usage and heads:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
-               "system_fingerprint": _fingerprint(heads[0]), "choices": [],
-               "usage": usage(heads[0].prompt_tokens, sum(len(c.ids) for c in choices.values()),
-                              heads[0].cached_tokens, any(h.compressed_hit for h in heads))}
-
-
-def _text_chunk(rid, created, settings, index, text, finish_reason, logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
