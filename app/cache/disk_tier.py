@@ -215,17 +215,18 @@ class DiskTier:
                     self._forget(folder / name)
                     continue
                 except DiskEntryError as e:
-                    self.counters.rejected[e.reason] = self.counters.rejected.get(e.reason, 0) + 1
+                    self.refused(e.reason)
                     continue
                 except OSError:
                     continue
                 if len(found[0]["tokens"]) != depth:  # filed under another depth's name: planted or moved
-                    self.counters.rejected["mismatched"] = self.counters.rejected.get("mismatched", 0) + 1
+                    self.refused("mismatched")
                     continue
-                self.counters.hits += 1
-                self.counters.read_s += time.perf_counter() - t0
                 nbytes = sum(t.nbytes for t in found[1].values())
-                self.counters.read_bytes += nbytes
+                with self._index_lock:  # lookups run on the step thread and ahead of admission (read-ahead)
+                    self.counters.hits += 1
+                    self.counters.read_s += time.perf_counter() - t0
+                    self.counters.read_bytes += nbytes
                 self._know(folder / name, chain_seed(salt), found[0]["tokens"], nbytes)
                 return found
         return None
@@ -325,6 +326,10 @@ class DiskTier:
             while len(merged) > self.index_limit:
                 merged.popitem(last=False)
             self._index = merged
+
+    def refused(self, reason: str) -> None:
+        with self._index_lock:
+            self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
 
     def _count_swept(self, reason: str, n: int) -> None:
         if n:

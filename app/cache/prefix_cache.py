@@ -91,6 +91,23 @@ class PrefixCache:
                 res = res._replace(host_len=entry.depth, host_bytes=entry.nbytes)
         return res
 
+    def disk_wanted(self, tokens: list[int], limit: int, salt: str | None) -> int | None:
+        """Where a disk-tier read for this prompt would have to start to pay (the deepest the pools and the host
+        tier hold already), or None when it cannot pay (no disk tier, nothing a block deeper to find)."""
+        if self.disk is None or self.host is None:
+            return None
+        held = self.tree.match(tokens, limit, salt=salt, touch=False).checkpoint_len
+        entry = self.host.find(tokens, limit, salt, self.layout) if self.host.entries else None
+        held = max(held, entry.depth if entry is not None else 0)
+        return held if limit - held >= self.host.block else None
+
+    def file_found(self, found: tuple[dict, dict[str, torch.Tensor]], salt: str | None) -> HostEntry | None:
+        """File a disk entry read ahead of its request (`DiskTier.find`'s answer) into the host tier."""
+        if not self._fits(*found):
+            return None
+        header, tensors = found
+        return self.file_entry(salt, header["tokens"], header.get("kind"), tensors)
+
     def _from_disk(self, tokens: list[int], limit: int, salt: str | None, below: int) -> HostEntry | None:
         """File the deepest disk-tier entry the prompt starts with, if deeper than `below` by a block at least, into
         the host tier (where `promote` takes it from); None if there is none or its tensors do not fit this engine."""
@@ -138,7 +155,7 @@ class PrefixCache:
         """Whether a disk entry's tensors have this engine's shapes and dtypes (the fingerprints say they should)."""
         ok = self.fits(len(header["tokens"]), tensors)
         if not ok:
-            self.disk.counters.rejected["shape"] = self.disk.counters.rejected.get("shape", 0) + 1
+            self.disk.refused("shape")
         return ok
 
     def fits(self, depth: int, tensors: dict[str, torch.Tensor]) -> bool:

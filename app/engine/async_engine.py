@@ -85,6 +85,8 @@ class AsyncEngine:
         self.engine.validate(prompt_ids, params)
         if deadline is not None and time.time() >= deadline:
             raise QueueTimeout("the request's queue deadline passed before it arrived")
+        if self.engine.cache.disk is not None and self.engine.cfg.enable_cache:
+            await asyncio.to_thread(self._read_ahead, prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline, merge=not stream)
         with self._cv:
@@ -137,6 +139,22 @@ class AsyncEngine:
         """Run `fn(engine, *args)` between steps, e.g. to retune the cache."""
         with self._exclusive():
             return fn(self.engine, *args)
+
+    def _read_ahead(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A disk tier's entry for this prompt, read before the request is handed to the step thread (outside
+        every lock; only the checks of what the cache holds and the filing take the cache lock), so that its
+        admission finds it in the host tier and no step waits for a disk read."""
+        engine = self.engine
+        if params.prompt_logprobs is not None or (params.cache_lossless and not engine.cfg.checkpoint_settings.exact):
+            return  # such a request resumes short of its end, or not at all: admission decides
+        limit = max(0, len(prompt_ids) - 1 - engine.cfg.tail)
+        salt = params.cache_salt
+        above = self.cache_call(lambda e: e.cache.disk_wanted(prompt_ids, limit, salt))
+        if above is None:
+            return
+        found = engine.cache.disk.find(prompt_ids, limit, salt, above=above)
+        if found is not None:
+            self.cache_call(lambda e: e.cache.file_found(found, salt))
 
     def cache_call(self, fn, *args):
         """Run `fn(engine, *args)` holding the engine's cache lock alone: between steps, or while the step thread runs

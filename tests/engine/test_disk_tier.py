@@ -2,17 +2,22 @@
 off, those the pools evict) are written behind, and a new engine on the same directory and secret (a restart)
 resumes from them with the cold answer; another salt never does; a torn, corrupted, unauthenticated, foreign or
 mismatched file is ignored and the answer is cold; a full or unwritable directory leaves the answers as they are
-without a disk tier; the engine refuses a disk tier without its secret."""
+without a disk tier; the engine refuses a disk tier without its secret. Behind an AsyncEngine, a request's disk entry
+is read ahead of it, off the step thread."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import shutil
+import threading
 
 import pytest
 
 from app.cache import disk_tier
 from app.cache.disk_format import read_entry, salt_key, write_entry
+from app.cache.disk_tier import DiskTier
+from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.engine import DISK_SECRET_ENV, Engine
 from app.engine.request import SamplingParams
@@ -178,3 +183,36 @@ def test_a_graceful_stop_persists_the_pools_and_the_host_tier_for_the_next_start
     assert [w.output_ids for w in warm] == [c.output_ids for c in cold]
     assert all(w.cached_tokens == len(p) - 1 for w, p in zip(warm, prompts))
     again.check_integrity()
+
+
+async def _answer(engine: AsyncEngine, prompt: list[int], params: SamplingParams):
+    outs = [o async for o in engine.generate(prompt, params)]
+    return outs[0].cached_tokens, [t for o in outs for t in o.new_token_ids]
+
+
+def test_a_disk_entry_is_read_before_the_step_thread_sees_the_request(zoo, tmp_path, secret, monkeypatch):
+    prompts = _prompts(zoo[1], 2)
+    first = _engine(zoo, tmp_path, host_mb=0.0)
+    cold = [_ask(first, p) for p in prompts]
+    first.persist()  # the first prompt's checkpoint was written behind already (one pool slot)
+    assert first.cache.disk.counters.writes >= 2
+    readers = []
+    find = DiskTier.find
+
+    def watched(self, *args, **kwargs):
+        found = find(self, *args, **kwargs)
+        if found is not None:
+            readers.append(threading.current_thread().name)
+        return found
+
+    monkeypatch.setattr(DiskTier, "find", watched)
+    engine = AsyncEngine(_engine(zoo, tmp_path, host_mb=0.0))
+    try:
+        for prompt, want in zip(prompts, cold):
+            cached, ids = asyncio.run(_answer(engine, prompt, GREEDY))
+            assert ids == want.output_ids and cached >= len(prompt) - 64
+        assert len(readers) == len(prompts) and "engine-loop" not in readers  # read ahead, never by a step
+        assert engine.engine.cache.disk.counters.hits == len(prompts)
+        engine.call(lambda e: e.check_integrity())
+    finally:
+        engine.shutdown()
