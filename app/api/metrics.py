@@ -49,6 +49,7 @@ DISK_REASONS = {"rejected": "files refused (torn, corrupted, unauthenticated, fo
 DISK_GAUGES = {"queued": ("queue_length", "entries waiting to be written behind"),
                "stored_files": ("files", "files in the directory (at the last sweep, plus writes since)"),
                "stored_bytes": ("bytes", "bytes in the directory (at the last sweep, plus writes since)")}
+STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 ACCEPTED_BUCKETS = tuple(float(a) for a in range(17))  # accepted drafts per verify piece: 0 .. MAX_SPEC_TOKENS
 ENGINE_GAUGES = {
     "hit_rate": "token-weighted prefix cache hit rate (cached prompt tokens / prompt tokens)",
@@ -83,6 +84,9 @@ class ApiMetrics:
                               registry=r)
         self.engine = {k: Gauge(f"dasc_engine_{k}", doc, ["replica"], registry=r) for k, doc in ENGINE_GAUGES.items()}
         self.controller = Gauge("dasc_controller", "tuning controller state", ["field"], registry=r)
+        self.response_store = Histogram("dasc_response_store_seconds", "Responses API: time of one operation on the "
+                                        "response store (get, put, delete), as the API awaits it", ["op"],
+                                        buckets=STORE_BUCKETS, registry=r)
         self._replicas: set[str] = set()  # replicas with label sets in the gauges
 
         self.time_to_first_token = Histogram("dasc:time_to_first_token_seconds", "Histogram of time to first "

@@ -137,3 +137,23 @@ class LocalResponses:
 
     async def delete(self, response_id: str, owner: str) -> bool:
         return self.store.delete(response_id, owner)
+
+
+class TimedResponses:
+    """A `Responses` store whose operations are timed into `histogram` (labelled by op): what each costs the
+    request awaiting it (behind Serve, a round trip to the store's actor)."""
+
+    def __init__(self, store: Responses, histogram) -> None:
+        self.store, self.histogram = store, histogram
+
+    async def put(self, response: StoredResponse) -> bool:
+        with self.histogram.labels(op="put").time():
+            return await self.store.put(response)
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        with self.histogram.labels(op="get").time():
+            return await self.store.get(response_id, owner)
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        with self.histogram.labels(op="delete").time():
+            return await self.store.delete(response_id, owner)

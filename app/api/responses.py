@@ -26,7 +26,14 @@ from app.api.errors import ApiError, openapi_responses
 from app.api.hints import RouteHint
 from app.api.recall import continue_ids
 from app.api.response_items import ItemError, to_messages
-from app.api.response_store import LocalResponses, Responses, ResponseStore, StoredResponse, key_digest
+from app.api.response_store import (
+    LocalResponses,
+    Responses,
+    ResponseStore,
+    StoredResponse,
+    TimedResponses,
+    key_digest,
+)
 from app.api.response_stream import ResponseEvents
 from app.api.schemas import FORBID, TOP_LEVEL, ChatCompletionRequest, FunctionName, Text, now, register_fields
 
@@ -111,6 +118,9 @@ def register(app: FastAPI, backend, settings, recall, routes) -> Responses:
     backend's `responses` where it has one (Serve's: a named actor), else one in this process."""
     store = getattr(backend, "responses", None) or LocalResponses(ResponseStore(
         settings.max_stored_responses, settings.max_stored_response_bytes, settings.stored_response_age_s))
+    metrics = getattr(backend, "metrics", None)
+    if metrics is not None:
+        store = TimedResponses(store, metrics.response_store)
     tok = backend.tokenizer
 
     @app.post("/v1/responses", responses=RESPONSES)

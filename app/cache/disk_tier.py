@@ -7,7 +7,8 @@ a background thread and found by key, with no scan of the directory before servi
 - `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, lists
   it, and reads only the files named as an entry of one of the prompt's depths there would be (deepest first), so
   other prompts' entries in the same directory are never read; it returns the first that checks. A file another
-  replica removed meanwhile is skipped; a refused one is counted by its reason and skipped.
+  replica removed meanwhile is skipped; a refused one is counted by its reason and skipped, and not read again while
+  it is unchanged (its path, mtime and size).
 - `sweep` (the writer thread runs it at start and every `sweep_s`, off the serving path) keeps the directory
   within its bytes and age: entries past `ttl_s` go, then, beyond `budget_bytes`, those of other model or codec
   fingerprints, then the oldest. Files another replica removes meanwhile are skipped.
@@ -45,6 +46,7 @@ from app.cache.disk_format import (
     write_entry,
 )
 
+BAD_KEPT = 4096  # refused file versions remembered (then forgotten at once, and read again at most once more)
 WRITER_NICE = 19  # where SCHED_IDLE is not there: the write-behind thread's nice value
 
 
@@ -96,6 +98,7 @@ class DiskTier:
         self._index: OrderedDict[str, Known] = OrderedDict()  # file path -> entry, least recently used first
         self._index_lock = threading.Lock()
         self._indexed = threading.Event()  # set once the writer thread has indexed the directory
+        self._bad: set[tuple] = set()  # versions (path, mtime, size) of files refused: not read again
         self.model_fp, self.codec_fp = model_fp, codec_fp
         self.budget_bytes, self.ttl_s, self.sweep_s = budget_bytes, ttl_s, sweep_s
         self._swept_at, self._closed = float("-inf"), False
@@ -210,17 +213,21 @@ class DiskTier:
                     continue
                 t0 = time.perf_counter()
                 try:
+                    st = os.stat(folder / name)
+                    version = (str(folder / name), st.st_mtime_ns, st.st_size)
+                    if version in self._bad:  # refused before, unchanged since: not read again
+                        continue
                     found = read_entry(folder / name, self.secret, self.model_fp, self.codec_fp, key, tokens[:depth])
                 except FileNotFoundError:  # removed by another replica's eviction meanwhile
                     self._forget(folder / name)
                     continue
                 except DiskEntryError as e:
-                    self.refused(e.reason)
+                    self.refused(e.reason, version)
                     continue
                 except OSError:
                     continue
                 if len(found[0]["tokens"]) != depth:  # filed under another depth's name: planted or moved
-                    self.refused("mismatched")
+                    self.refused("mismatched", version)
                     continue
                 nbytes = sum(t.nbytes for t in found[1].values())
                 with self._index_lock:  # lookups run on the step thread and ahead of admission (read-ahead)
@@ -327,9 +334,15 @@ class DiskTier:
                 merged.popitem(last=False)
             self._index = merged
 
-    def refused(self, reason: str) -> None:
+    def refused(self, reason: str, version: tuple | None = None) -> None:
+        """Count a refused file by `reason`; given its `version` (path, mtime, size), it is not read again until it
+        changes (a file refused once is refused by every lookup: names are keyed by salt and tokens)."""
         with self._index_lock:
             self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
+            if version is not None:
+                if len(self._bad) >= BAD_KEPT:
+                    self._bad.clear()
+                self._bad.add(version)
 
     def _count_swept(self, reason: str, n: int) -> None:
         if n:

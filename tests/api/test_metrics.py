@@ -67,6 +67,24 @@ async def test_vllm_names_count_what_the_responses_report(app):
     assert value(page, "dasc_ttft_seconds_count") == generations  # our own names keep working
 
 
+async def test_response_store_operations_are_timed_by_op(app):
+    """Each Responses request that stores (put), continues (get) or deletes times its store operation."""
+    async with client(app) as http:
+        before = metric_samples((await http.get("/metrics")).text)
+        first = (await http.post("/v1/responses", headers=AUTH, json={
+            "input": "hello", "max_output_tokens": 3, "temperature": 0})).json()
+        await http.post("/v1/responses", headers=AUTH, json={
+            "input": "and again", "previous_response_id": first["id"], "max_output_tokens": 3, "temperature": 0})
+        await http.delete(f"/v1/responses/{first['id']}", headers=AUTH)
+        page = metric_samples((await http.get("/metrics")).text)
+
+    def count(p: dict, op: str) -> float:
+        return p.get(("dasc_response_store_seconds_count", frozenset({("op", op)})), 0.0)
+
+    assert [count(page, op) - count(before, op) for op in ("put", "get", "delete")] == [2, 1, 1]
+    assert value(page, "dasc_response_store_seconds_sum", op="get") > 0
+
+
 @pytest.fixture(scope="module")
 def spec_backend():
     """A LocalBackend over a kda-tiny engine of its own with prompt lookup speculation (spec_tokens 4)."""

@@ -65,6 +65,16 @@ def test_refused_files_are_skipped_and_counted(tmp_path):
     reader = _tier(tmp_path)
     assert reader.find(TOKENS, 300, None) is None
     assert reader.counters.rejected == {"torn": 1, "unauthenticated": 1}
+    # refused once, not read again while unchanged (a request's read-ahead and its admission look up the same files)
+    assert reader.find(TOKENS, 300, None) is None
+    assert reader.counters.rejected == {"torn": 1, "unauthenticated": 1}
+    good = _tier(tmp_path / "good")
+    good.put(None, TOKENS[:250], None, _state(3.0))
+    good.flush()
+    replaced = next((tmp_path / "good").rglob("*.ckpt"))
+    target = next(f for f in files if f.name == replaced.name)
+    target.write_bytes(replaced.read_bytes())  # a good file in its place: read again, and found
+    assert reader.find(TOKENS, 300, None)[1]["state"][0] == 3.0
 
 
 def test_an_unwritable_directory_or_a_full_queue_skips_writes(tmp_path):
