@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections import defaultdict
 
@@ -52,15 +53,40 @@ def recall_stats(url: str) -> dict:
     return httpx.get(f"{url}/status", timeout=30).json()["recall"]
 
 
+def store_totals(url: str) -> dict[str, tuple[float, float]]:
+    """The response store's timed operations so far, from /metrics: op -> (seconds, count)."""
+    out: dict[str, list[float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        m = re.match(r'dasc_response_store_seconds_(sum|count)\{op="(\w+)"\} ([0-9.e+-]+)', line)
+        if m:
+            out.setdefault(m[2], [0.0, 0.0])[m[1] == "count"] = float(m[3])
+    return {op: (v[0], v[1]) for op, v in out.items()}
+
+
+def store_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per store operation between two `store_totals`."""
+    out = {}
+    for op, (total, n) in after.items():
+        t0, n0 = before.get(op, (0.0, 0.0))
+        if n > n0:
+            out[op] = (total - t0) / (n - n0) * 1e3
+    return out
+
+
 def continuations_ms(results: list[dict]) -> float:
     """Mean TTFT of the requests after each agent's first (those that resume), in ms."""
     return statistics.fmean(r["latency_s"] * 1e3 for r in results if r["ok"] and r.get("previous") is not None)
 
 
 def run_seed(url: str, seed: int, args) -> dict:
+    timed = {}
+
     def over_responses():
-        return agentic_responses(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens,
-                                 salt=f"responses-{seed}")
+        before = store_totals(url)
+        out = agentic_responses(url, args.model, seed, args.agents, tuple(args.turns), args.answer_tokens,
+                                salt=f"responses-{seed}")
+        timed.update(store_ms(before, store_totals(url)))
+        return out
 
     responses = over_responses() if seed % 2 else None  # which API goes first alternates with the seed
     before = recall_stats(url)
@@ -74,6 +100,7 @@ def run_seed(url: str, seed: int, args) -> dict:
            "responses_requests": len(responses), "responses_resumed": resumed(responses, args.nr_tail),
            "responses": summarise(responses), "ttft_by_step_responses_ms": by_step(responses),
            "continuations_ms": {"chat": continuations_ms(warm), "responses": continuations_ms(responses)},
+           "store_ms": timed,
            "ttft_by_step_warm_ms": by_step(warm), "ttft_by_step_cold_ms": by_step(cold),
            "spliced": drift["spliced"], "drifted": drift["drifted"], "drift_tokens": drift["drift_tokens"]}
     print(json.dumps(row), flush=True)
@@ -110,11 +137,14 @@ def main(argv=None) -> None:
     resp_ttft = statistics.median(r["responses"]["ttft_mean_ms"] for r in rows)
     resp_ratio = statistics.median(r["responses"]["ttft_mean_ms"] / r["warm"]["ttft_mean_ms"] for r in rows)
     cont = {k: statistics.median(r["continuations_ms"][k] for r in rows) for k in ("chat", "responses")}
+    store = {op: statistics.median(r["store_ms"][op] for r in rows if op in r.get("store_ms", {}))
+             for op in ("get", "put") if any(op in r.get("store_ms", {}) for r in rows)}
     md = table(["seed", "requests", "failed", "resumed", "hit rate", "TTFT warm ms", "TTFT cold ms", "Responses: "
                 "resumed", "hit rate", "TTFT ms", "spliced", "drifted", "drift tokens"],
                [[r["seed"], r["requests"], r["failed"], r["resumed"], r["warm"]["hit_rate"], r["warm"]["ttft_mean_ms"],
                  r["cold"]["ttft_mean_ms"], r["responses_resumed"], r["responses"]["hit_rate"],
                  r["responses"]["ttft_mean_ms"], r["spliced"], r["drifted"], r["drift_tokens"]] for r in rows])
+    store_text = ", ".join(f"{op} {ms:.1f} ms" for op, ms in store.items()) or "not measured"
     md += "\n\nMean TTFT by step of the agent loop (medians over seeds):\n\n"
     md += table(["step", "warm ms", "cold ms", "warm/cold", "Responses ms"], step_rows)
     md += (f"\n\nMedians over seeds {', '.join(map(str, args.seeds))}: {med['resumed']:.3f} of the requests after "
@@ -123,7 +153,9 @@ def main(argv=None) -> None:
            f"previous_response_id: {med['responses_resumed']:.3f} resumed (target at least 0.97), mean TTFT "
            f"{resp_ttft:.1f} ms ({resp_ratio:.2f}x warm Chat Completions', median of the per-seed ratios); over "
            f"the requests after each agent's first, {cont['responses']:.1f} ms against {cont['chat']:.1f} ms "
-           f"({cont['responses'] / cont['chat']:.2f}x). Drift: of "
+           f"({cont['responses'] / cont['chat']:.2f}x); the response store's round trip, as the API awaited it: "
+           f"{store_text} a call (a get on every continuation's path to its first token, a put after each answer). "
+           f"Drift: of "
            f"{med['spliced']:.0f} re-sent answers spliced from the generated ids, {med['drifted']:.0f} would have "
            f"re-encoded to other ids ({med['drift_tokens']:.0f} tokens recomputed without the memory).\n")
     variant, title = knob_variant(args.model, args.engine)
