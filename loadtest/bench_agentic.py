@@ -5,7 +5,9 @@ checkpoints, controller off): one shared system prompt of about 800 tokens with 
 turns of a tool call (`tool_choice` required or auto), its result (100-300 tokens) and an answer, the whole history
 re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and the same agents
 over the Responses API (loadtest/agent_responses.py: only the new items, with `previous_response_id`; a salt of
-their own, so they start as cold as the warm chat run), in an order that alternates with the seed, then cold (every
+their own, so they start as cold as the warm chat run), in an order that alternates with the seed (odd: Responses
+first; the default seeds run each order twice, as the arm that runs first after the previous seed's cold run is the
+slower), then cold (every
 request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica import the
 grammar library and compile the tools' schemas.
 
@@ -111,7 +113,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="kda-tiny")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])  # both API orders, twice each
     p.add_argument("--agents", type=int, default=12)
     p.add_argument("--turns", type=int, nargs=2, default=[4, 6])
     p.add_argument("--answer-tokens", type=int, default=12)
@@ -136,6 +138,10 @@ def main(argv=None) -> None:
     cold_ttft = statistics.median(r["cold"]["ttft_mean_ms"] for r in rows)
     resp_ttft = statistics.median(r["responses"]["ttft_mean_ms"] for r in rows)
     resp_ratio = statistics.median(r["responses"]["ttft_mean_ms"] / r["warm"]["ttft_mean_ms"] for r in rows)
+    by_order = {first: [r["responses"]["ttft_mean_ms"] / r["warm"]["ttft_mean_ms"] for r in rows
+                        if (r["seed"] % 2 == 1) == (first == "Responses")] for first in ("Responses", "Chat")}
+    order_text = "; ".join(f"{first} first: " + ", ".join(f"{x:.2f}x" for x in xs)
+                           for first, xs in by_order.items() if xs)
     cont = {k: statistics.median(r["continuations_ms"][k] for r in rows) for k in ("chat", "responses")}
     store = {op: statistics.median(r["store_ms"][op] for r in rows if op in r.get("store_ms", {}))
              for op in ("get", "put") if any(op in r.get("store_ms", {}) for r in rows)}
@@ -151,7 +157,8 @@ def main(argv=None) -> None:
            f"each agent's first resumed from the previous prompt and output (target at least 0.95); mean TTFT "
            f"{warm_ttft:.1f} ms warm vs {cold_ttft:.1f} ms cold ({warm_ttft / cold_ttft:.2f}x). Over Responses with "
            f"previous_response_id: {med['responses_resumed']:.3f} resumed (target at least 0.97), mean TTFT "
-           f"{resp_ttft:.1f} ms ({resp_ratio:.2f}x warm Chat Completions', median of the per-seed ratios); over "
+           f"{resp_ttft:.1f} ms ({resp_ratio:.2f}x warm Chat Completions', median of the per-seed ratios; by which "
+           f"API ran first in the seed, {order_text}); over "
            f"the requests after each agent's first, {cont['responses']:.1f} ms against {cont['chat']:.1f} ms "
            f"({cont['responses'] / cont['chat']:.2f}x); the response store's round trip, as the API awaited it: "
            f"{store_text} a call (a get on every continuation's path to its first token, a put after each answer). "
