@@ -6,9 +6,7 @@ turns of a tool call (`tool_choice` required or auto), its result (100-300 token
 re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and the same agents
 over the Responses API (loadtest/agent_responses.py: only the new items, with `previous_response_id`; a salt of
 their own, so they start as cold as the warm chat run), in an order that alternates with the seed (odd: Responses
-first; the default seeds run each order twice, as the arm that runs first after the previous seed's cold run is the
-slower), then cold (every
-request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica import the
+first; the default seeds run each order twice), then cold (every request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica import the
 grammar library and compile the tools' schemas.
 
 Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
