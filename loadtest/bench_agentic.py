@@ -1,4 +1,4 @@
-"""Agentic benchmark: `python -m loadtest.bench_agentic [--out docs/benchmarks.md]` (about 15 minutes on 2 cores).
+"""Agentic benchmark: `python -m loadtest.bench_agentic [--out docs/benchmarks.md]` (about 7 minutes on 2 cores).
 
 Agents (loadtest/workloads.py, agentic) on kda-tiny behind our prefix-aware router at 2 replicas (dense
 checkpoints, controller off): one shared system prompt of about 800 tokens with six tool schemas, each agent 4-6
@@ -6,8 +6,8 @@ turns of a tool call (`tool_choice` required or auto), its result (100-300 token
 re-sent over Chat Completions every time. Each seed runs warm (the agents share a `cache_salt`) and the same agents
 over the Responses API (loadtest/agent_responses.py: only the new items, with `previous_response_id`; a salt of
 their own, so they start as cold as the warm chat run), in an order that alternates with the seed (odd: Responses
-first; the default seeds run each order twice), then cold (every request its own salt: nothing reused), on the same deployment, after a warm-up that has each replica import the
-grammar library and compile the tools' schemas.
+first; the default seeds run each order twice), then cold (every request its own salt: nothing reused), on the
+same deployment, after a warm-up that has each replica import the grammar library and compile the tools' schemas.
 
 Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
 previous request's prompt and output less one token (a request the router sent to another replica than its previous
