@@ -12,9 +12,10 @@ same deployment, after a warm-up that has each replica import the grammar librar
 Reported per seed and as medians: the share of requests after each agent's first whose cached tokens reach the
 previous request's prompt and output less one token (a request the router sent to another replica than its previous
 one counts as a miss, as its cache there is cold), over Chat Completions and over Responses, the mean TTFT by step
-of the agent loop warm and cold and their ratio, Responses' mean TTFT against warm chat's, and the re-tokenization
-drift: of the re-sent answers whose prompt resumed from the ids generated (the API's recall memory), those whose
-plain re-encoding would have differed, and the tokens that would have cost. Results:
+of the agent loop warm and cold and their ratio, Responses' mean TTFT against warm chat's (also by which API ran
+first), the response store's mean get and put time (/metrics: `dasc_response_store_seconds`), and the
+re-tokenization drift: of the re-sent answers whose prompt resumed from the ids generated (the API's recall
+memory), those whose plain re-encoding would have differed, and the tokens that would have cost. Results:
 loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC.
 """
 
