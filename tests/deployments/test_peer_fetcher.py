@@ -191,8 +191,9 @@ def test_a_request_without_a_plan_waits_for_a_fetch_that_brings_its_prefix(holde
 
 
 def test_the_link_cost_leaves_out_the_holders_step_wait(holder):
-    """The router adds one holder step to a fetch's price itself; the fetcher's measured link cost must not count
-    the wait the holder reports (`waited_s`) again (it did: a 0.3 s step wait showed as the link's fixed cost)."""
+    """The router prices the holder's wait (its step bookkeeping) itself; the fetcher's measured link cost must not
+    count the wait the holder reports (`waited_s`) again (it did: a 0.3 s step wait showed as the link's fixed
+    cost)."""
     engine, prompt = holder
     wire = pack(engine.export_entry(prompt, len(prompt) - 1, None)) | {"waited_s": 0.3}
     fetcher, _ = _fetcher(_Response(wire, delay_s=0.3))
