@@ -85,9 +85,11 @@ class AsyncEngine:
         self.engine.validate(prompt_ids, params)
         if deadline is not None and time.time() >= deadline:
             raise QueueTimeout("the request's queue deadline passed before it arrived")
-        if self.engine.cache.disk is not None and self.engine.cfg.enable_cache:
-            await asyncio.to_thread(self._read_ahead, prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
+        if self.engine.cache.disk is not None and self.engine.cfg.enable_cache:
+            with self._cv:  # a request refused anyway (overloaded, draining, shut down) costs no disk read
+                self._admit(request_id)
+            await asyncio.to_thread(self._read_ahead, prompt_ids, params)
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), deadline, merge=not stream)
         with self._cv:
             self._admit(request_id)

@@ -216,3 +216,22 @@ def test_a_disk_entry_is_read_before_the_step_thread_sees_the_request(zoo, tmp_p
         engine.call(lambda e: e.check_integrity())
     finally:
         engine.shutdown()
+
+
+def test_a_request_refused_anyway_costs_no_disk_read(zoo, tmp_path, secret, monkeypatch):
+    """Read-ahead comes after the engine's admission check: a request refused (here: the engine shut down; likewise
+    overloaded or draining) never reaches the disk, so a flood of refused requests adds no disk I/O."""
+    from app.engine.errors import EngineUnavailable
+
+    calls = []
+    find = DiskTier.find
+    monkeypatch.setattr(DiskTier, "find", lambda self, *a, **k: calls.append(1) or find(self, *a, **k))
+    engine = AsyncEngine(_engine(zoo, tmp_path, host_mb=0.0))
+    first, second = _prompts(zoo[1], 2)
+    asyncio.run(_answer(engine, first, GREEDY))
+    assert calls, "an admitted request reads ahead"
+    engine.shutdown()
+    calls.clear()
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(_answer(engine, second, GREEDY))  # a prompt the cache does not hold: it would read ahead
+    assert calls == []
