@@ -34,10 +34,10 @@ class GenerateRequest:
 
 @dataclass
 class ExportRequest:
-    """A replica asking a peer (`target`, whom the router routes it to) for the deepest checkpoint of `salt` that
-    `prompt_ids` starts with, at most `limit` deep (deployments/peer_fetch.py)."""
+    """A replica asking a peer (`route_to`: the router sends it there alone) for the deepest checkpoint of `salt`
+    that `prompt_ids` starts with, at most `limit` deep (deployments/peer_fetch.py)."""
 
-    target: str
+    route_to: str
     prompt_ids: list[int]
     limit: int
     salt: str | None = None

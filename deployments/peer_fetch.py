@@ -114,7 +114,6 @@ class PeerFetcher:
         self.replica_id, self.engine, self._peers = replica_id, engine, peers
         self.timeout_s, self.max_inflight, self.max_bytes = timeout_s, max_inflight, max_bytes
         self.links = LinkCosts()
-        self._inflight = 0
         self._pending: dict[tuple, asyncio.Future] = {}  # fetches under way, by (holder, salt, depth, prefix hash)
         self.counters = {"fetches": 0, "fetched_bytes": 0, "fetch_s": 0.0, "joined": 0, "failed": {}}
 
@@ -135,7 +134,7 @@ class PeerFetcher:
         if joined is not None:
             self.counters["joined"] += 1
             return await asyncio.shield(joined)
-        if self._inflight >= self.max_inflight:
+        if self.in_flight >= self.max_inflight:
             return self._fail("busy")
         self._pending[key] = asyncio.get_running_loop().create_future()
         try:
@@ -158,28 +157,24 @@ class PeerFetcher:
 
     async def _pull(self, request: GenerateRequest, holder: str, limit: int) -> bool:
         ask = ExportRequest(holder, request.prompt_ids, limit, request.params.cache_salt)
-        self._inflight += 1
         start = time.perf_counter()
+        response = self._peers().export_entry.remote(ask)
         try:
-            response = self._peers().export_entry.remote(ask)
-            try:
-                wire = await asyncio.wait_for(asyncio.shield(_result(response)), self.timeout_s)
-            except asyncio.TimeoutError:
-                response.cancel()
-                return self._fail("timeout")
-            except Exception:  # noqa: BLE001 - the holder died or failed mid-fetch: recompute
-                return self._fail("holder")
-            if wire is None:
-                return self._fail("not_held")
-            if wire.get("gone"):  # the holder is no longer there: the router sent the call elsewhere
-                return self._fail("holder")
-            entry = unpack(wire)
-            why = await asyncio.to_thread(self.engine.cache_call, lambda e: e.import_entry(entry, request.prompt_ids,
-                                                                                     request.params.cache_salt))
-            if why is not None:
-                return self._fail(why)
-        finally:
-            self._inflight -= 1
+            wire = await asyncio.wait_for(asyncio.shield(_result(response)), self.timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            return self._fail("timeout")
+        except Exception:  # noqa: BLE001 - the holder died or failed mid-fetch: recompute
+            return self._fail("holder")
+        if wire is None:
+            return self._fail("not_held")
+        if wire.get("gone"):  # the holder is no longer there: the router sent the call elsewhere
+            return self._fail("holder")
+        entry = unpack(wire)
+        why = await asyncio.to_thread(self.engine.cache_call, lambda e: e.import_entry(entry, request.prompt_ids,
+                                                                                 request.params.cache_salt))
+        if why is not None:
+            return self._fail(why)
         seconds, size = time.perf_counter() - start, nbytes(entry)
         # the link's cost, without the holder's wait for its cache lock (the router prices that apart)
         self.links.add(holder, size, max(0.0, seconds - float(wire.get("waited_s", 0.0))))
@@ -189,11 +184,8 @@ class PeerFetcher:
         return True
 
     @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    @property
     def in_flight(self) -> int:
+        """Distinct entries being pulled now (each fetch under way holds one `_pending` future)."""
         return len(self._pending)
 
     def _fail(self, reason: str) -> bool:

@@ -83,12 +83,12 @@ class EngineReplica:
         exported between two steps or during a step's forward (`AsyncEngine.cache_call`), packed for the object
         store; None if it holds none; {"gone": True} if the router sent it here, another replica than the one it
         names (that one is gone: killed, or scaled down)."""
-        if request.target != self.replica_id:
+        if request.route_to != self.replica_id:
             return {"gone": True}
         asked = time.perf_counter()
         began, entry = await asyncio.to_thread(self.engine.cache_call, lambda e: (
             time.perf_counter(), e.export_entry(request.prompt_ids, request.limit, request.salt)))
-        return None if entry is None else pack(entry) | {"waited_s": began - asked}  # the wait for its step
+        return None if entry is None else pack(entry) | {"waited_s": began - asked}  # its wait for the cache lock
 
     async def peer_fetch_status(self, request: FetchStatusRequest) -> dict:
         """This replica's peer fetches under way (`in_flight`: distinct entries being pulled) and its fetch counters,
@@ -101,7 +101,7 @@ class EngineReplica:
         plan = (request.fetch or {}).get(self.replica_id)
         if plan is not None and self._can_fetch:
             await self.fetcher.fetch(request, self._tail(), plan)
-        elif self.fetcher.pending:  # a fetch under way may bring this prompt's checkpoint (the router counts on it)
+        elif self.fetcher.in_flight:  # a fetch under way may bring this prompt's checkpoint (the router counts on it)
             await self.fetcher.join(request)
         if request.affinity is not None:
             self._keys[request.affinity] = None

@@ -19,7 +19,8 @@ checkpoint on the replica that served it (`routing_policy.claimed`), each weighe
 Peer fetches (issue 40; deployments/peer_fetch.py): where a replica that can fetch would resume sooner from a
 peer's deeper checkpoint, pulled first, than from its own or at the holder behind its queue (`routing_policy.choose`),
 the router notes it in `GenerateRequest.fetch` (for every candidate, so that a request Ray sends to its second
-choice fetches there too); a replica's `ExportRequest` goes to the replica it names.
+choice fetches there too). A call that names a replica (`route_to`: a replica's `ExportRequest`, a pinned
+`GenerateRequest`, a `FetchStatusRequest`) goes to that replica.
 
 A retried request names the replica that failed it (`GenerateRequest.avoid`: its engine could not step); that
 replica is left out unless it is the only one.
@@ -32,7 +33,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.messages import ExportRequest, GenerateRequest
+from deployments.messages import GenerateRequest
 from deployments.router_memory import RouterMemory
 from deployments.routing_policy import Hint, RouterKnobs, choose, expected_marks, predict
 
@@ -46,8 +47,9 @@ class PrefixAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         req = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        target = req.target if isinstance(req, ExportRequest) else getattr(req, "route_to", None)
-        if target is not None:  # a peer fetch, or a pinned request, goes to the replica it names (if still there)
+        target = getattr(req, "route_to", None)
+        if target is not None:  # a peer's export, a pinned request, a status question: to the replica it names,
+            # if still there (else to any, which answers that it is not the one named)
             named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [named] if named else [candidate_replicas]
         chain, tokens = _request(pending_request, self.knobs.block_size)

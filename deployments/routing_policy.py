@@ -212,16 +212,11 @@ def predict(c: Candidate, chain: list[int], tokens: list[int] | int, knobs: Rout
     ids, prompt_len = (None, tokens) if isinstance(tokens, int) else (tokens, len(tokens))
     depth = max(checkpointed(c.marks, chain, ids, knobs.block_size), claimed(c, chain, hint, knobs.block_size))
     load_s = 0.0
-    if c.host_marks:  # a deeper host-tier entry is loaded back before the request starts
-        host, rest = deepest(c.host_marks, chain, ids, knobs.block_size)
-        if host > depth:
-            depth = host
-            load_s = rest[0] * _host_s(c, knobs)
-    if c.disk_marks:  # a deeper disk-tier entry is read into the host tier, then loaded back
-        disk, rest = deepest(c.disk_marks, chain, ids, knobs.block_size)
-        if disk > depth:
-            depth = disk
-            load_s = rest[0] * (_disk_s(c, knobs) + _host_s(c, knobs))
+    # a deeper host-tier entry is loaded back before the request starts; a deeper disk-tier one read, then loaded
+    for marks, s_per_byte in ((c.host_marks, _host_s(c, knobs)), (c.disk_marks, _disk_s(c, knobs) + _host_s(c, knobs))):
+        held, rest = deepest(marks, chain, ids, knobs.block_size) if marks else (0, ())
+        if held > depth:
+            depth, load_s = held, rest[0] * s_per_byte
     best = _priced(c, chain, prompt_len, depth, load_s, knobs, hint)
     for h in peers if c.can_fetch else ():
         if h.replica_id == c.replica_id:

@@ -181,7 +181,7 @@ def test_a_request_without_a_plan_waits_for_a_fetch_that_brings_its_prefix(holde
     async def burst():
         first = asyncio.ensure_future(fetcher.fetch(_request(prompt), tail=0, plan=("a", 0)))
         await asyncio.sleep(0.05)
-        assert fetcher.pending
+        assert fetcher.in_flight == 1
         return await asyncio.gather(first, fetcher.join(longer), fetcher.join(GenerateRequest([1, 2, 3], GREEDY)))
 
     assert asyncio.run(burst()) == [True, True, False]
