@@ -6,7 +6,7 @@ move between nodes). One deployment per arm: dense and dasc nr-W16, each with pe
 - One request, fetch against recompute: per prompt length (--peer-lengths) and repeat, a fresh prompt is warmed
   on replica A (the holder), then asked on replica B (pinned with `GenerateRequest.route_to`) with a fetch from A,
   and another fresh prompt of the same length asked on B cold. TTFT is the handle call's time to its first output;
-  bytes are what B's fetcher counted.
+  bytes are what B's fetcher counted (read live, `peer_fetch_status`).
 - Hot prefix: one --hot-tokens prefix warmed on one replica, then --hot-requests concurrent requests over HTTP,
   each the prefix and its own --hot-suffix-token question (the router decides); mean and p90 TTFT, with peer
   fetches on and off; --repeats bursts, each on a fresh prefix, reported as medians (fetch counters: the
@@ -66,10 +66,10 @@ async def _arm(target, tok: Tokenizer, args, one: bool) -> dict:
                     warm, cold = _prompt(tok, rng, length), _prompt(tok, rng, length)
                     await _ttft(handle, warm, holder)
                     await asyncio.sleep(1.0)  # the holder's routing stats show it (not needed for a pinned fetch)
-                    before = await _fetched(client, target.url, fetcher)
+                    before = await _fetched(fetcher)
                     t_fetch, cached = await _ttft(handle, warm, fetcher, fetch=holder)
                     t_cold, _ = await _ttft(handle, cold, fetcher)
-                    moved = await _fetched(client, target.url, fetcher, above=before)
+                    moved = await _fetched(fetcher)
                     res["trials"].append({"tokens": length, "fetch_s": t_fetch, "recompute_s": t_cold,
                                           "cached": cached, "bytes": moved - before})
         bursts = [await _hot(client, target.url, target.model, tok, rng, args) for _ in range(args.repeats)]
@@ -94,15 +94,17 @@ async def _ttft(handle, prompt: list[int], replica: str, fetch: str | None = Non
     raise RuntimeError("no output")
 
 
-async def _fetched(client: httpx.AsyncClient, url: str, replica: str, above: int | None = None) -> int:
-    """The bytes `replica`'s fetcher has fetched, from a /status report (one taken after a new fetch, if `above`)."""
-    deadline = time.monotonic() + 10
-    while True:
-        snap = (await client.get(f"{url}/status")).json()["replicas"].get(replica, {})
-        moved = (snap.get("peer_fetch") or {}).get("fetched_bytes", 0)
-        if above is None or moved > above or time.monotonic() > deadline:
-            return moved
-        await asyncio.sleep(0.25)
+async def _fetched(replica: str) -> int:
+    """The bytes `replica`'s fetcher has fetched so far, read live from it (`EngineReplica.peer_fetch_status`)."""
+    from ray import serve
+
+    from deployments.messages import FetchStatusRequest
+
+    handle = serve.get_deployment_handle("EngineReplica", "dasc")
+    status = await handle.peer_fetch_status.remote(FetchStatusRequest(route_to=replica))
+    if status["replica"] != replica:
+        raise RuntimeError(f"replica {replica} is gone")
+    return status["fetched_bytes"]
 
 
 async def _hot(client: httpx.AsyncClient, url: str, model: str, tok: Tokenizer, rng: random.Random, args) -> dict:
