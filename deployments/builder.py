@@ -102,6 +102,8 @@ class RouterArgs(_Strict):
     work_weight: float = Field(4.0, ge=0, description="weight of the prefill a request adds to a replica, beyond "
                                "its own wait (the work delays that replica's later requests too): favours hits over "
                                "a shorter queue")
+    key_credit: float = Field(2.0, ge=0, description="prompts' worth of prefill credited to a replica that served the "
+                              "request's prompt_cache_key lately (its requests stay there until the queue costs more)")
     remember_s: float = Field(30.0, gt=0, description="how long the router counts a prefix it sent as held there")
     settle_s: float = Field(2.0, ge=0, description="a sent prefix a later digest does not hold is forgotten after "
                                                    "this")
@@ -250,7 +252,7 @@ def build_app(args: dict) -> Application:
     router_kwargs = {}
     if cfg.router.kind == "prefix":
         router_kwargs = {k: getattr(cfg.router, k) for k in ("block_size", "affinity_credit", "work_weight",
-                                                             "remember_s", "settle_s", "fetch_fixed_s",
+                                                             "key_credit", "remember_s", "settle_s", "fetch_fixed_s",
                                                              "fetch_s_per_byte", "fetch_max_bytes")}
     engine_dep = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=cfg.replicas, max_ongoing_requests=cfg.max_ongoing_requests,

@@ -37,6 +37,7 @@ from app.engine.request import RequestOutput, SamplingParams
 from app.models.loader import read_config, resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from deployments.controller import ControllerClient
+from deployments.logs import through_serve
 from deployments.messages import GenerateRequest
 from deployments.response_store import ActorResponses
 
@@ -172,9 +173,7 @@ class Ingress:
         s = self.settings  # stored responses live in a named actor: they outlive this replica
         self.backend.responses = ActorResponses(s.max_stored_responses, s.max_stored_response_bytes,
                                                 s.stored_response_age_s)
-        routes_log = logging.getLogger("app.api.routes")
-        routes_log.setLevel(logging.INFO)
-        routes_log.handlers, routes_log.propagate = logging.getLogger("ray.serve").handlers, False
+        through_serve("app.api.routes")
 
     def __serve_build_asgi_app__(self):
         return build_api(self.backend, self.settings)

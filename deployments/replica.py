@@ -35,6 +35,7 @@ from app.engine.errors import EngineUnavailable
 from app.engine.load import load_report
 from app.engine.tp import build_engine
 from deployments.controller import ControllerClient
+from deployments.logs import through_serve
 from deployments.messages import ExportRequest, FetchStatusRequest, GenerateRequest
 from deployments.peer_fetch import PeerFetcher, pack, store_room
 
@@ -52,6 +53,7 @@ class EngineReplica:
                  tp_size: int = 1, placement: str = "off", alive_timeout_s: float = 10.0,
                  drain_timeout_s: float = 10.0) -> None:
         torch.set_num_threads(threads)
+        through_serve("app.engine.compile")  # the background compile's progress, in the replica's log
         # built in the engine's step thread, where all its torch work runs (see AsyncEngine)
         self.engine = AsyncEngine(lambda: build_engine(model, EngineConfig(**engine), tp_size, placement))
         self.digest_block = digest_block
@@ -171,6 +173,21 @@ class EngineReplica:
         await asyncio.to_thread(self.engine.shutdown)
         return self.replica_id
 
+    async def fail_next_step(self, reason: str) -> str:
+        """Make this replica's next engine step raise RuntimeError(reason), as a device fault would (operators and
+        tests: the requests of that step fail, and the engine serves on). Returns this replica's id."""
+        def arm(engine: Engine) -> None:
+            run = engine.worker.run
+
+            def failing(batch):
+                engine.worker.run = run
+                raise RuntimeError(reason)
+
+            engine.worker.run = failing
+
+        await asyncio.to_thread(self.engine.call, arm)
+        return self.replica_id
+
     async def __del__(self) -> None:
         """Graceful shutdown (Serve awaits an async `__del__`): Serve has waited up to graceful_shutdown_timeout_s
         for the requests in flight; the engine finishes what it still holds within `drain_timeout_s`
@@ -180,13 +197,10 @@ class EngineReplica:
             task.cancel()
         if engine is None:
             return
-        try:
-            await engine.drain(self.drain_timeout_s)
-            # a disk tier keeps what the pool and the host tier hold for the next start (no-op without one)
-            await asyncio.to_thread(engine.call, lambda e: e.persist(self.drain_timeout_s))
+        try:  # drains, persists what the pool and the host tier hold to the disk tier (if any), shuts down
+            await engine.stop(self.drain_timeout_s)
         except Exception as exc:  # noqa: BLE001 - shutting down regardless
-            log.warning("engine drain failed: %r", exc)
-        await asyncio.to_thread(engine.shutdown)
+            log.warning("engine stop failed: %r", exc)
         group = getattr(engine.engine, "tp_group", None)
         if group is not None:  # TP ranks 1..T-1: stop them now rather than when they notice this process is gone
             await asyncio.to_thread(group.close)

@@ -2,15 +2,17 @@
 OpenAI API without Ray (handy for development; the product runs through `deployments/`).
 
 Its engine runs with compiled decode steps and compiled prefill passes (`compile_decode`, `compile_prefill`, as
-configs/config.yaml ships them): the first start on a machine compiles their packages into the compile cache
-(minutes on two cores), later starts load them (seconds). `--engine '{"compile_decode": false, "compile_prefill":
-false}'` starts at once, eagerly."""
+configs/config.yaml ships them). It serves at once: the first start on a machine builds their packages in the
+background (minutes on two cores, at idle priority) and swaps each in as it lands, serving eagerly meanwhile; later
+starts load them from the compile cache (seconds). On SIGINT or SIGTERM it stops gracefully: with a disk tier
+(`disk_dir`), what the pools and the host tier hold is written to it for the next start."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from app.api.metrics import LOCAL, ApiMetrics
@@ -62,6 +64,22 @@ class LocalBackend:
     async def status(self) -> dict:
         return {"replicas": {LOCAL: self.engine.snapshot()}}
 
+    async def close(self) -> None:
+        """The server stops (SIGINT, SIGTERM): the engine's graceful stop, which persists the pools and the host
+        tier to the disk tier, if there is one (`AsyncEngine.stop`)."""
+        await self.engine.stop()
+
+
+def _log_to_stderr() -> None:
+    """This server's own log lines (warnings, errors with their request ids, the background compile's progress) on
+    stderr beside uvicorn's."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    app_log = logging.getLogger("app")
+    app_log.setLevel(logging.WARNING)
+    app_log.handlers, app_log.propagate = [handler], False
+    logging.getLogger("app.engine.compile").setLevel(logging.INFO)
+
 
 def main(argv=None) -> None:
     import uvicorn
@@ -77,6 +95,7 @@ def main(argv=None) -> None:
                         '\'{"w_max": 16, "policy": "wr"}\' (app/engine/config.py), over this server\'s defaults '
                         f'{json.dumps(SERVER_DEFAULTS)}')
     args = p.parse_args(argv)
+    _log_to_stderr()
     model_dir = resolve_model_dir(args.model)
     served = args.served_model_name or args.model
     try:

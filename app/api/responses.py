@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app.api import limits, tool_answers, tools
 from app.api.answers import collect, first_output, sse
-from app.api.errors import ApiError, openapi_responses
+from app.api.errors import REQUEST_ID, ApiError, openapi_responses
 from app.api.hints import RouteHint
 from app.api.recall import continue_ids
 from app.api.response_items import ItemError, to_messages
@@ -154,6 +154,7 @@ def register(app: FastAPI, backend, settings, recall, routes) -> Responses:
                                         output_resumed=True)
         routes._validate(backend, prompt, params)
         rid = ResponseStore.new_id()
+        REQUEST_ID.set(rid)
         outputs = routes._start(backend, [prompt], params, settings, True, hint)
 
         async def conclude(content: str, calls, reason: str | None, head, output_ids: list[int]) -> dict:

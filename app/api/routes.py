@@ -9,6 +9,7 @@ Request bodies are in app/api/schemas.py; caps an operator sets are checked here
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import limits, responses, tool_answers, tools
 from app.api.answers import chat_chunks, chat_tool_chunks, collect, completion_chunks, fingerprint, first_output, sse
-from app.api.errors import ApiError, error_response, openapi_responses, strip_422
+from app.api.errors import REQUEST_ID, ApiError, error_response, openapi_responses, public_reason, strip_422
 from app.api.guards import Guard, RequestId
 from app.api.hints import RouteHint
 from app.api.logprobs import CompletionLogprobs, chat_logprobs
@@ -101,7 +102,8 @@ class ApiSettings:
 
 
 def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
-    app = FastAPI(title="dasc-serve", version="0.1.0", redirect_slashes=False)  # a 307 has no JSON body
+    app = FastAPI(title="dasc-serve", version="0.1.0", redirect_slashes=False,  # a 307 has no JSON body
+                  lifespan=_lifespan(backend))
     tok = backend.tokenizer
     recall = Recall(settings.recall_tokens)
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
@@ -120,7 +122,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         try:
             await backend.health()
         except Exception as e:
-            raise ApiError(503, f"not healthy: {e}", "server_error", retry_after_s=5.0) from e
+            raise ApiError(503, f"not healthy: {public_reason(e)}", "server_error", retry_after_s=5.0) from e
         return {"status": "ok"}
 
     @app.get("/v1/models", responses=openapi_responses(401))
@@ -240,6 +242,18 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
     return app
 
 
+def _lifespan(backend: Backend):
+    """At the server's stop, the backend's `close` (if it has one: an in-process engine stops gracefully)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        close = getattr(backend, "close", None)
+        if close is not None:
+            await close()
+
+    return lifespan
+
+
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError):
@@ -270,6 +284,7 @@ def _request_id(kind: str, request: Request) -> str:
     """The response's id: unique whatever the client sends. The client's X-Request-Id (echoed in the response
     headers by `RequestId`, or by Serve's proxy) is logged beside it, so one finds the other."""
     rid = f"{kind}-{uuid.uuid4().hex}"
+    REQUEST_ID.set(rid)  # an error's full detail is logged under it (app/api/errors.py)
     log.info("%s X-Request-Id %s", rid, request.headers.get("x-request-id", "-"))
     return rid
 

@@ -3,7 +3,10 @@ a background thread and found by key, with no scan of the directory before servi
 
 - `put` queues an entry (its tensors on the host) and returns at once; the writer thread writes it. A full or
   unwritable disk, a queue already `max_queue` deep (a slow disk), or an entry larger than the whole budget skips
-  the write and counts it by reason: the serving path never waits for the disk.
+  the write and counts it by reason: the serving path never waits for the disk. An entry the index knows is on disk
+  already is not written again (`holds`; the writer checks too, for what was queued twice).
+- Reused checkpoints: the cache writes a checkpoint behind on its first load (so that a crash keeps what was worth
+  keeping), within `reuse_bytes_s` (`may_write_reused`, a token bucket of one second's bytes).
 - `find` computes, for each full block of the prompt from the deepest, the directory its entries would be in, lists
   it, and reads only the files named as an entry of one of the prompt's depths there would be (deepest first), so
   other prompts' entries in the same directory are never read; it returns the first that checks. A file another
@@ -92,8 +95,9 @@ class Known:
 class DiskTier:
     def __init__(self, root: str | Path, secret: bytes, model_fp: str, codec_fp: str, block: int = 64,
                  max_queue: int = 64, budget_bytes: int | None = None, ttl_s: float = 7 * 24 * 3600.0,
-                 sweep_s: float = 60.0, index_limit: int = 4096) -> None:
+                 sweep_s: float = 60.0, index_limit: int = 4096, reuse_bytes_s: float = 0.0) -> None:
         self.root, self.secret, self.block = Path(root), secret, block
+        self.reuse_bytes_s, self._reuse_room, self._reuse_at = reuse_bytes_s, reuse_bytes_s, time.monotonic()
         self.index_limit = index_limit
         self._index: OrderedDict[str, Known] = OrderedDict()  # file path -> entry, least recently used first
         self._index_lock = threading.Lock()
@@ -124,6 +128,27 @@ class DiskTier:
         except queue.Full:
             self._skip("queue_full")
             return False
+        return True
+
+    def holds(self, salt: str | None, tokens: list[int]) -> bool:
+        """Whether the index knows this entry is on disk (written or read by this tier, or indexed at start)."""
+        path = entry_path(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens, self.block)
+        with self._index_lock:
+            return str(path) in self._index
+
+    def may_write_reused(self, nbytes: int) -> bool:
+        """Whether a reused checkpoint of `nbytes` may be written behind now (and its bytes are taken from the
+        bucket): at most `reuse_bytes_s` a second, a second's worth at once (one entry larger than that goes when the
+        bucket is full)."""
+        if self.reuse_bytes_s <= 0:
+            return False
+        now = time.monotonic()
+        self._reuse_room = min(self.reuse_bytes_s, self._reuse_room + (now - self._reuse_at) * self.reuse_bytes_s)
+        self._reuse_at = now
+        if self._reuse_room < min(nbytes, self.reuse_bytes_s):
+            self._skip("reuse_rate")
+            return False
+        self._reuse_room -= nbytes
         return True
 
     def flush(self) -> None:
@@ -174,6 +199,8 @@ class DiskTier:
             salt, tokens, kind, tensors = item
             try:
                 path = entry_path(self.root, self.secret, self.model_fp, self.codec_fp, salt, tokens, self.block)
+                if str(path) in self._index and path.exists():  # queued twice (a reuse, then an eviction)
+                    continue
                 seed = chain_seed(salt)
                 header = {"model": self.model_fp, "codec": self.codec_fp, "salt": salt_key(self.secret, salt),
                           "seed": seed.hex(), "tokens": tokens, "kind": kind}

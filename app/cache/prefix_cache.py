@@ -160,11 +160,12 @@ class PrefixCache(TierMoves):
 
     def load_checkpoint(self, node: Node) -> int:
         """The slot of `node`'s checkpoint, for a worker to copy into a fresh active state (copy-on-write:
-        the stored one never changes)."""
+        the stored one never changes). Its first load also writes it behind to the disk tier, if any."""
         self.counters.loads += 1
         if node.ckpt_loads == 0 and node.ckpt_kind is not None:
             kinds = self.counters.reused_by_kind
             kinds[node.ckpt_kind] = kinds.get(node.ckpt_kind, 0) + 1
+            self._write_reused(node)
         node.ckpt_loads += 1
         return node.checkpoint
 

@@ -6,7 +6,8 @@ app/cache/prefix_cache.py is built on; it uses the cache's tree, pools, `host`, 
   admitted. `io` moves the bytes (the worker's `demote`, `promote_kv`, `promote_state`, `host_drop`); `layout`
   names the codec layout stored checkpoints are in, so that no entry of another layout is ever loaded
   (`set_layout`).
-- Disk tier (app/cache/disk_tier.py): entries the host tier evicts are written behind (`_let_go`); a disk entry
+- Disk tier (app/cache/disk_tier.py): entries the host tier evicts are written behind (`_let_go`), and so is a
+  checkpoint at its first reuse (`_write_reused`: what a crash would otherwise lose first); a disk entry
   found for a prompt (at admission, `_from_disk`, or read ahead of it, `disk_wanted` and `file_found`) is filed
   into the host tier, then promoted like any other; `persist` writes what the pools and the host tier hold on a
   graceful stop.
@@ -158,6 +159,16 @@ class TierMoves:
                 self.host.take(d.entry)  # never filed without its bytes
                 self.io.host_drop([d.entry.id], self.host.release(d.entry))
                 raise
+
+    def _write_reused(self, node: Node) -> None:
+        """A pool checkpoint loaded for the first time: written behind to the disk tier (unless it is there already, or
+        the tier's rate for reused entries is spent), so that a crash does not lose it."""
+        if self.disk is None:
+            return
+        salt, tokens = self.tree.path(node)
+        nbytes = self.checkpoints.bytes_per_slot + len(tokens) * self.io.kv.bytes_per_token
+        if not self.disk.holds(salt, tokens) and self.disk.may_write_reused(nbytes):
+            self.disk.put(salt, tokens, node.ckpt_kind, self._pool_entry(node))
 
     def persist(self, deadline: float) -> int:
         """Write every checkpoint the host tier and the pool hold to the disk tier (a graceful stop: they would be

@@ -8,25 +8,35 @@ of a batch bucket serves every history bucket and any `kv_slots` or `max_running
 in place (KV entries, states), as the eager step does.
 
 The cache key names everything a package depends on: the weights (a hash of every tensor), the model config,
-dtype, batch bucket, torch and Python versions, the CPU (model, flags, Inductor's vector ISA: these VMs
-alternate between AMD and Intel CPUs, and code built for one may not run on the other), the thread count the
+dtype, batch bucket, torch and Python versions, the CPU (model, vendor, flags: these VMs alternate between AMD
+and Intel CPUs, and code built for one may not run on the other), the thread count the
 kernels were built for, the compile options, and the source of the code the step traces. A package built from
 anything else is never found.
 
 Loading a package runs the code in its shared object, so the cache directory must belong to the server's user
 and be closed to everyone else (mode 0700; packages 0600): `ArtifactCache` refuses any other directory and any
 package file not owned by the user or open to others. Writes are atomic (a temporary file renamed), a lock file
-per key makes replicas that start together compile each package once, and the cache is held under a size cap
-by dropping the least recently used packages.
+per key makes replicas that start together compile each package once, a lock of the whole cache makes them
+compile one package at a time, and the cache is held under a size cap by dropping the least recently used
+packages. Packages are built by a child process (app/engine/compile_jobs.py), never by a serving process.
+
+Nothing is left in the temporary directory: torch extracts a package into a new `aotinductor_*` directory of
+`TMPDIR` when it loads it and removes it only when the loaded package is freed, which a server never does before
+it exits. `ArtifactCache.load` has it extract into a scratch directory of the cache and removes that as soon as the
+package is loaded (the shared object stays mapped). Inductor's own cache (its CPU probe, `torchinductor_<user>`)
+goes to the cache's `.inductor` directory, unless `TORCHINDUCTOR_CACHE_DIR` names another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import platform
-import time
+import shutil
+import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,9 +63,55 @@ class ArtifactCache:
         self.max_bytes = int(max_mb * 2**20)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         _check_private(self.root, directory=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.root / ".inductor"))
+        _remove_stale(self.root)
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}{SUFFIX}"
+
+    def find(self, key: str) -> Path | None:
+        """The package of `key` if the cache holds it (marked recently used), without waiting for a build under
+        way: a start loads what is there and leaves the rest to the background (app/engine/compile_jobs.py)."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        _check_private(path)
+        os.utime(path)
+        return path
+
+    def load(self, path: Path):
+        """Load a package (`torch._inductor.aoti_load_package`), leaving no file behind: torch extracts it into
+        `TMPDIR`, here a scratch directory of the cache removed once it is loaded. Loads run one at a time in a
+        process; while one runs, this process's `TMPDIR` names the scratch directory."""
+        with _LOADING, self.scratch("load") as scratch:
+            tempfile.gettempdir()  # Python's own choice of directory is made (and kept) outside the scratch one
+            old = os.environ.get("TMPDIR")
+            os.environ["TMPDIR"] = str(scratch)
+            try:
+                return torch._inductor.aoti_load_package(str(path))
+            finally:
+                if old is None:
+                    os.environ.pop("TMPDIR", None)
+                else:
+                    os.environ["TMPDIR"] = old
+
+    @contextlib.contextmanager
+    def scratch(self, kind: str):
+        """A private directory `.<kind>-<pid>-*` of the cache, removed on leaving (a process killed meanwhile leaves
+        it to the next cache opened on this directory: `_remove_stale`)."""
+        path = Path(tempfile.mkdtemp(prefix=f".{kind}-{os.getpid()}-", dir=self.root))
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def compiling(self):
+        """Held while a package compiles: one compile at a time on this cache, whichever process runs it."""
+        with open(self.root / ".compile.lock", "a+") as lock:
+            os.chmod(lock.name, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def get_or_build(self, key: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
         """(the package of `key`, whether it was built now). `build(tmp)` writes a new package to `tmp`; it
@@ -97,6 +153,29 @@ class ArtifactCache:
         return self.root / f".{key}.lock"
 
 
+_LOADING = threading.Lock()
+
+
+def _remove_stale(root: Path) -> None:
+    """Scratch directories (`.load-PID-*`, `.work-PID-*`) of processes no longer alive: killed mid-load or
+    mid-compile."""
+    for path in root.glob(".*-*-*"):
+        kind, _, rest = path.name[1:].partition("-")
+        pid = rest.partition("-")[0]
+        if kind in ("load", "work") and pid.isdigit() and path.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _check_private(path: Path, directory: bool = False) -> None:
     """Raise PermissionError unless `path` belongs to this user and no one else may write (or, for the
     directory, enter) it: a package is code the server runs."""
@@ -110,9 +189,10 @@ def _check_private(path: Path, directory: bool = False) -> None:
             "loads: fix the owner and mode, or set compile_cache_dir to a private directory")
 
 
-def artifact_key(model: HybridForCausalLM, batch: int, options: dict) -> str:
-    """The cache key of `model`'s decode step for `batch` rows, compiled with `options` on this machine."""
-    parts = (weights_digest(model), repr(model.config), str(model.model.embed_tokens.weight.dtype))
+def artifact_key(model: HybridForCausalLM, batch: int, options: dict, digest: str | None = None) -> str:
+    """The cache key of `model`'s decode step for `batch` rows, compiled with `options` on this machine (`digest`:
+    `weights_digest(model)`, if already computed)."""
+    parts = (digest or weights_digest(model), repr(model.config), str(model.model.embed_tokens.weight.dtype))
     return package_key(f"decode-b{batch}", parts, options)
 
 
@@ -138,21 +218,26 @@ def weights_digest(model: nn.Module) -> str:
 
 
 def machine_digest() -> str:
-    """The CPU: its model name and flags (from /proc/cpuinfo), the architecture, and Inductor's vector ISA."""
-    from torch._inductor import cpu_vec_isa
+    """The CPU: its architecture, model name, vendor and flags (from /proc/cpuinfo; computed once per process). The
+    flags decide which vector code runs here: Inductor picks its ISA from them (and from what the compiler takes), so
+    a package built for them runs on any CPU that has them. Inductor's own probe of the ISA is not asked: on a fresh
+    machine it compiles test programs for seconds, and a start only loads."""
+    global _MACHINE
+    if _MACHINE is None:
+        info = {}
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "vendor_id") and key not in info:
+                    info[key] = value.strip()
+        except OSError:
+            pass
+        _MACHINE = f"{platform.machine()}|{info}"
+    return _MACHINE
 
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "flags", "vendor_id") and key not in info:
-                info[key] = value.strip()
-    except OSError:
-        pass
-    return f"{platform.machine()}|{info}|{cpu_vec_isa.pick_vec_isa()}"
 
-
+_MACHINE: str | None = None
 _SOURCE: str | None = None
 
 
@@ -198,12 +283,12 @@ def _state_view(conv: list[torch.Tensor], ssm: list[torch.Tensor], device) -> St
 
 
 class Package:
-    """A loaded package, called with its flat inputs (what its pytree wrapper would build on every call: the
-    tensors of the exported arguments, in order); returns its outputs as a tuple."""
+    """A loaded package (`ArtifactCache.load`), called with its flat inputs (what its pytree wrapper would build on
+    every call: the tensors of the exported arguments, in order); returns its outputs as a tuple."""
 
-    def __init__(self, path: Path) -> None:
-        self.runner = torch._inductor.aoti_load_package(str(path))
-        self._run = self.runner.loader.boxed_run
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self._run = runner.loader.boxed_run
 
     def __call__(self, *tensors: torch.Tensor) -> tuple:
         return tuple(self._run(list(tensors)))
@@ -212,9 +297,9 @@ class Package:
 class AotStep:
     """One batch bucket's loaded package, called like `decode_step(model, kv, states, inputs)`."""
 
-    def __init__(self, path: Path, kv: KVStorage, states: StateStorage) -> None:
-        self.runner = torch._inductor.aoti_load_package(str(path))
-        self._run = self.runner.loader.boxed_run
+    def __init__(self, runner, kv: KVStorage, states: StateStorage) -> None:
+        self.runner = runner
+        self._run = runner.loader.boxed_run
         self._storages = [*kv.storage.values(), *states.conv, *states.ssm]
 
     def __call__(self, model, kv, states, inputs) -> torch.Tensor:
@@ -246,7 +331,7 @@ def build_package(model, kv, states, inputs, step, options: dict, out: Path) -> 
 
 
 class CompileReport:
-    """What a start spent on compiled steps: packages loaded from the cache and compiled anew, and seconds."""
+    """What a start spent on compiled packages of one kind: loaded from the cache and built anew, and seconds."""
 
     def __init__(self) -> None:
         self.loaded, self.compiled, self.load_s, self.compile_s = 0, 0, 0.0, 0.0
@@ -262,9 +347,3 @@ class CompileReport:
     def stats(self) -> dict:
         return {"packages_loaded": self.loaded, "packages_compiled": self.compiled,
                 "load_s": round(self.load_s, 3), "compile_s": round(self.compile_s, 3)}
-
-
-def timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0

@@ -53,6 +53,7 @@ class AsyncEngine:
         self._draining = False
         self._broken: EngineUnavailable | None = None  # set when the loop ended for good
         self._probes: list[threading.Event] = []  # check_alive(): set by the loop thread when it comes round
+        self._installs = False  # a compiled package landed: the loop comes round to put it in force
         failed: list[BaseException] = []
         ready = threading.Event()
 
@@ -61,6 +62,8 @@ class AsyncEngine:
                 if self.engine is None:
                     self.engine = engine()
                 self.engine.open_forward = True  # steps let go of the cache lock during their forward
+                if self.engine.compiled is not None:  # packages built in the background come in between steps
+                    self.engine.compiled.set_wake(self._wake_for_install)
             except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
                 failed.append(e)
             finally:
@@ -109,6 +112,11 @@ class AsyncEngine:
                 if remaining:
                     self._aborts.append(request_id)
                     self._cv.notify()
+
+    def _wake_for_install(self) -> None:
+        with self._cv:
+            self._installs = True
+            self._cv.notify()
 
     def _admit(self, request_id: str) -> None:
         """Raise unless a new request may enter now (called holding `_cv`)."""
@@ -202,6 +210,16 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         self._fail_all(EngineUnavailable(f"draining: the request did not finish within {timeout_s:g} s"))
 
+    async def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """A graceful stop, as every server of an engine makes it: drain (`drain`), write what the pools and the
+        host tier hold to the disk tier, if there is one, so that the next start on its directory resumes them
+        (`Engine.persist`, within `drain_timeout_s` more), then `shutdown`."""
+        try:
+            await self.drain(drain_timeout_s)
+            await asyncio.to_thread(self.call, lambda e: e.persist(drain_timeout_s))
+        finally:
+            await asyncio.to_thread(self.shutdown)
+
     def shutdown(self) -> None:
         """End the step thread (requests still in flight fail with EngineUnavailable), then the disk tier's writer
         thread, if any, once it has written what is queued."""
@@ -209,6 +227,8 @@ class AsyncEngine:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        if self.engine is not None:
+            self.engine.close()
         disk = getattr(getattr(self.engine, "cache", None), "disk", None)
         if disk is not None:
             disk.close()
@@ -235,7 +255,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopped or self._pending or self._aborts or self._probes
+                while not (self._stopped or self._pending or self._aborts or self._probes or self._installs
                            or self.engine.has_unfinished()):
                     self._cv.wait()
                 for probe in self._probes:
@@ -245,8 +265,11 @@ class AsyncEngine:
                     return
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
+                installs, self._installs = self._installs, False
                 self._waiting += len(pending)  # in transit: still counted until `_expire_and_count` recounts
             with self._exclusive():
+                if installs:
+                    self.engine.install_compiled()
                 for prompt, params, request_id in pending:
                     try:
                         self.engine.add_request(prompt, params, request_id)

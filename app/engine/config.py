@@ -71,6 +71,9 @@ class EngineConfig:
                                    "a fetch (issue 40); with host_mb 0, a staging area holds them until loaded")
     disk_mb: float = knob(4096.0, "disk tier budget in MiB (the oldest entries go beyond it)", ge=0)
     disk_ttl_s: float = knob(7 * 24 * 3600.0, "disk tier entries older than this are removed", ge=0)
+    disk_reuse_mb_s: float = knob(32.0, "a checkpoint loaded for the first time is also written behind to the disk "
+                                        "tier (so a crash keeps it), at most this many MiB a second (0: only what "
+                                        "the tiers evict, and a graceful stop)", ge=0)
     interval: int = knob(0, "checkpoint every N aligned tokens in prefill and decode (0: only prompt ends, branch "
                             "points and generation ends)", ge=0)
     lookback: int = knob(0, "also checkpoint each prompt at least this many tokens before its prompt-end "
@@ -108,6 +111,9 @@ class EngineConfig:
     compile_prefill: bool = knob(False, "the chunked recurrent pass of prefill pieces as compiled packages (one per "
                                         "chunk-count bucket), made when the worker starts (CPU; kept in "
                                         "compile_cache_dir)")
+    compile_background: bool = knob(True, "CPU compiled packages the cache lacks are built by a background process "
+                                          "at idle priority while the engine serves eagerly, each swapped in between "
+                                          "steps (false: the start waits for them)")
     compile_cache_dir: str | None = knob(None, "private directory (mode 0700) of the CPU's compiled decode packages "
                                                "(unset: ~/.cache/dasc-serve/compiled)")
     compile_cache_mb: float = knob(2048.0, "size cap of compile_cache_dir in MiB (least recently used packages "

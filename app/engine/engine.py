@@ -111,7 +111,8 @@ class Engine:
         if not isinstance(self.worker, Worker):
             raise ValueError("disk_dir: the disk tier runs with one worker (tp 1)")
         return DiskTier(cfg.disk_dir, secret.encode(), self.model_fp, _codec_fp(cfg),
-                        budget_bytes=int(cfg.disk_mb * 2**20), ttl_s=cfg.disk_ttl_s)
+                        budget_bytes=int(cfg.disk_mb * 2**20), ttl_s=cfg.disk_ttl_s,
+                        reuse_bytes_s=cfg.disk_reuse_mb_s * 2**20)
 
     def persist(self, timeout_s: float = 30.0) -> int:
         """A graceful stop: write what the pool and the host tier hold to the disk tier (if any) and wait for the
@@ -374,7 +375,22 @@ class Engine:
         snap["decode_graphs"] = None if graphs is None else graphs.stats()
         report = getattr(self.worker, "prefill_report", None)
         snap["compiled_prefill"] = None if report is None else report.stats()
+        snap["compile"] = None if self.compiled is None else self.compiled.stats()
         return snap
+
+    @property
+    def compiled(self):
+        """The worker's CPU compiled packages (app/engine/compiled.py), or None."""
+        return getattr(self.worker, "compiled", None)
+
+    def install_compiled(self) -> int:
+        """Put the compiled packages built since the last step in force (between steps); returns how many."""
+        return 0 if self.compiled is None else self.compiled.install()
+
+    def close(self) -> None:
+        """Stop what runs beside the engine for it: the background compile of its packages, if any."""
+        if self.compiled is not None:
+            self.compiled.close()
 
     def check_integrity(self) -> None:
         """Every KV slot and checkpoint slot owned once or free (the cache), and every active-state slot held by

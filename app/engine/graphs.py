@@ -24,7 +24,7 @@ import types
 import torch
 
 from app.cache.pools import KVStorage, PagedKV, StateStorage
-from app.engine.aot import AotStep, ArtifactCache, CompileReport, artifact_key, build_package
+from app.engine.aot import AotStep, CompileReport
 from app.engine.decode_inputs import DecodeInputs
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout
@@ -32,7 +32,7 @@ from app.models.hybrid import HybridForCausalLM
 from app.models.layers import Experts
 
 MIN_HISTORY = 64
-# Inductor options of the CPU's packages (with `_cpu_gemm_settings`: frozen weights, C++ GEMM micro-kernels)
+# Inductor options of the CPU's packages (with `cpu_gemm_settings`: frozen weights, C++ GEMM micro-kernels)
 CPU_OPTIONS = {"freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -66,12 +66,12 @@ def _own_copy(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-_PREFER_CPP_GEMM = False  # set while a CPU decode step compiles (`_cpu_gemm_settings`)
+_PREFER_CPP_GEMM = False  # set while a CPU decode step compiles (`cpu_gemm_settings`)
 
 
 def _prefer_cpp_gemm(choices: list) -> list:
     """Inductor's choices for one matmul, minus ATen's where a C++ GEMM kernel is among them (so nothing is
-    timed: one choice left). Registered once per process; a no-op outside `_cpu_gemm_settings`."""
+    timed: one choice left). Registered once per process; a no-op outside `cpu_gemm_settings`."""
     if not _PREFER_CPP_GEMM:
         return choices
     from torch._inductor.select_algorithm import ExternKernelCaller
@@ -81,7 +81,7 @@ def _prefer_cpp_gemm(choices: list) -> list:
 
 
 @contextlib.contextmanager
-def _cpu_gemm_settings(on: bool):
+def cpu_gemm_settings(on: bool):
     """While decode steps compile on the CPU: weights frozen into the graph (Dynamo reads the flag when it
     traces, so it is set here, not in the compile options) and C++ GEMM kernels preferred."""
     global _PREFER_CPP_GEMM
@@ -102,11 +102,11 @@ def _cpu_gemm_settings(on: bool):
 
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, kv: KVStorage, states: StateStorage, scratch_state: int,
-                 scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False,
-                 cache_dir: str | None = None, cache_mb: float = 2048.0) -> None:
+                 scratch_kv: int, device: torch.device, capture: bool = True, compiled: bool = False) -> None:
         """scratch_state is also the largest batch (max_running). capture: CUDA graphs where the device is a GPU;
-        compiled: one compiled step per batch bucket, made here: on the CPU an ahead-of-time package from the
-        cache at `cache_dir` (compiled into it when missing: app/engine/aot.py), on a GPU through torch.compile."""
+        compiled: one compiled step per batch bucket: on the CPU an ahead-of-time package, installed by the worker's
+        `CompiledPackages` as each is loaded or built (`install`; until then a bucket's step runs eagerly), on a GPU
+        made here through torch.compile."""
         if any(isinstance(m, Experts) for m in model.modules()):  # (padded_decode alone skips such models)
             raise ValueError("decode_graphs and compile_decode need a model without routed experts: their token "
                              "routing runs on the host (a device-to-host sync) and has data-dependent shapes")
@@ -121,9 +121,7 @@ class DecodeGraphs:
         self.compiled = compiled
         self._packages: dict[int, AotStep] = {}  # CPU compiled steps by batch bucket
         self.report = CompileReport() if compiled else None
-        if compiled and device.type == "cpu":
-            self._load_packages(bucket(scratch_state), cache_dir, cache_mb)
-        elif compiled:
+        if compiled and device.type != "cpu":
             # one cache entry per batch bucket: more than the default 8 from max_running 256 up
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -190,32 +188,14 @@ class DecodeGraphs:
             if entry[0] is None:  # not captured, so not compiled yet
                 self.step(self.model, self.kv, self.states, entry[1])
 
-    @torch.no_grad()
-    def _load_packages(self, largest: int, cache_dir: str | None, cache_mb: float) -> None:
-        """The CPU's compiled steps: every batch bucket's package, from the cache or compiled into it. An eager
-        step first makes the stacked weights that the export bakes in."""
-        cache = ArtifactCache(cache_dir, cache_mb)
-        decode_step(self.model, self.kv, self.states,
-                    DecodeInputs(1, MIN_HISTORY, self.scratch_kv, self.scratch_state, self.device))
-        for i in range(largest.bit_length()):
-            b = 1 << i
-            inputs = DecodeInputs(b, MIN_HISTORY, self.scratch_kv, self.scratch_state, self.device)
-            key = artifact_key(self.model, b, CPU_OPTIONS)
+    def install(self, batch: int, package: AotStep, built: bool, seconds: float) -> None:
+        """From the next step on, steps of `batch` rows (a bucket) run `package` (CPU compiled decode)."""
+        self._packages[batch] = package
+        self.report.add(built, seconds)
 
-            def build(out, inputs=inputs):
-                with _cpu_gemm_settings(True):
-                    build_package(self.model, self.kv, self.states, inputs, decode_step, CPU_OPTIONS, out)
-
-            t0 = time.perf_counter()
-            try:
-                path, built = cache.get_or_build(key, build)
-                self._packages[b] = AotStep(path, self.kv, self.states)
-            except PermissionError:
-                raise
-            except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
-                raise _compile_error(e) from e
-            self.report.add(built, time.perf_counter() - t0)
-            self._buckets[(b, MIN_HISTORY)] = (None, inputs, None)
+    def buckets(self) -> list[int]:
+        """The batch buckets a compiled step serves: 1, 2, 4, .. up to the largest batch."""
+        return [1 << i for i in range(bucket(self.scratch_state).bit_length())]
 
     def _prepare(self, b: int, s: int):
         """A bucket's input buffers (every slot the scratch ones, so warm-up steps touch nothing else) and, on a

@@ -6,18 +6,17 @@ weights, so one compiled core serves every layer of a geometry (gate per channel
 key and value widths, scale) and every model that shares it. Each core is an AOTInductor package for a number
 of chunks (1, 2, 4, .. up to a piece of `chunk_size` tokens), any batch of sequences; a pass of N chunks runs on
 the core of the next count up, its tail padded with tokens that leave the state unchanged (zero k, v, g and
-beta). Packages live in the decode steps' cache (app/engine/aot.py: key, privacy, lock, cap) and are in force
-only inside the worker's forwards (`app.ops.chunk.compiled_cores`).
+beta). Packages live in the decode steps' cache (app/engine/aot.py: key, privacy, lock, cap), are built by the
+compile child (app/engine/compile_child.py) and installed by the worker's `CompiledPackages`
+(app/engine/compiled.py), and are in force only inside the worker's forwards (`app.ops.chunk.compiled_cores`).
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
-from app.engine.aot import ArtifactCache, CompileReport, Package, package_key
+from app.engine.aot import Package
 from app.models.hybrid import HybridForCausalLM
 from app.ops.chunk import _chunk_core, core_key
 
@@ -60,27 +59,13 @@ def chunk_counts(piece_tokens: int, C: int) -> list[int]:
     return [1 << i for i in range((top - 1).bit_length() + 1)]
 
 
-def load_cores(model: HybridForCausalLM, piece_tokens: int, cache_dir: str | None, cache_mb: float,
-               report: CompileReport) -> dict:
-    """{core_key: {chunk count: PackagedCore}} for the model's geometries, each from the cache or compiled into
-    it."""
-    cache = ArtifactCache(cache_dir, cache_mb)
-    cores = {}
-    for key in sorted(geometries(model)):
-        per_channel, C, H, K, V, scale = key
-        cores[key] = {}
-        for n in chunk_counts(piece_tokens, C):
-            name = f"chunk-{'kda' if per_channel else 'gdn'}-n{n}"
-            t0 = time.perf_counter()
-            path, built = cache.get_or_build(package_key(name, key, OPTIONS),
-                                             lambda out, n=n, key=key: _build(key, n, out))
-            cores[key][n] = PackagedCore(Package(path))
-            report.add(built, time.perf_counter() - t0)
-    return cores
+def core_name(core: tuple, n: int) -> str:
+    """The name a core package's key starts with."""
+    return f"chunk-{'kda' if core[0] else 'gdn'}-n{n}"
 
 
-def _build(key: tuple, n: int, out) -> None:
-    """Export the core of `key` for n chunks (the batch symbolic: examples of 2 sequences) and compile it."""
+def build_core(key: tuple, n: int, out) -> None:
+    """Export the core of `key` for n chunks (the batch symbolic: examples of 2 sequences) and compile it to `out`."""
     per_channel, C, H, K, V, scale = key
     B, T = 2, n * C
     gen = torch.Generator().manual_seed(0)

@@ -23,10 +23,9 @@ from app.dasc.placement import plan_placement
 from app.dasc.policy import local_rows, refresh_local_units
 from app.dasc.selection import make_plan
 from app.dasc.tp_codec import PlacedDascCodec
-from app.engine.aot import CompileReport
+from app.engine.compiled import CompiledPackages
 from app.engine.config import EngineConfig
 from app.engine.graphs import DecodeGraphs
-from app.engine.prefill import load_cores
 from app.engine.step_batch import StepBatch
 from app.models.batch import BatchLayout, LinearStates, host_to_device
 from app.models.hybrid import HybridForCausalLM
@@ -88,21 +87,14 @@ class Worker:
             if self.tp is not None:
                 raise ValueError("decode_graphs and compile_decode run with one worker (tp 1)")
             self.graphs = DecodeGraphs(self.model, self.kv, self.states, cfg.max_running, cfg.kv_slots, self.device,
-                                       capture=cfg.decode_graphs, compiled=cfg.compile_decode,
-                                       cache_dir=cfg.compile_cache_dir, cache_mb=cfg.compile_cache_mb)
-        self.chunk_cores = None  # compiled twins of the chunked recurrent pass (app/engine/prefill.py)
-        self.prefill_report = None
-        if cfg.compile_prefill and self.device.type == "cpu":
-            report = CompileReport()
-            try:
-                self.chunk_cores = load_cores(self.model, cfg.chunk_size, cfg.compile_cache_dir, cfg.compile_cache_mb,
-                                              report)
-            except PermissionError:
-                raise
-            except Exception as e:  # Inductor's errors name its internals, not the setting that asked for them
-                raise RuntimeError(f"compile_prefill: compiling the chunked pass failed ({type(e).__name__}: {e}). "
-                                   "It needs a C++ compiler (g++); or set compile_prefill to false") from e
-            self.prefill_report = report
+                                       capture=cfg.decode_graphs, compiled=cfg.compile_decode)
+        # the CPU's compiled packages (app/engine/compiled.py): decode steps into `graphs`, prefill cores here
+        cpu = self.device.type == "cpu"
+        self.compiled = None
+        if cpu and (cfg.compile_decode or cfg.compile_prefill):
+            self.compiled = CompiledPackages(self.model, cfg, self.graphs if cfg.compile_decode else None)
+        self.chunk_cores = self.compiled.cores if self.compiled is not None and cfg.compile_prefill else None
+        self.prefill_report = self.compiled.prefill_report if self.compiled is not None else None
         self.configure_checkpoints(cfg, codec)
 
     # ------------------------------------------------------------------ checkpoint storage
@@ -217,6 +209,8 @@ class Worker:
         """Feed every piece; returns the argmax tokens of the `greedy` rows of `want_logits` and the fp32
         next-token logits of the others, on the host (see `split_logits`)."""
         self.verifying = {}
+        if self.compiled is not None:  # packages built since the last step come in force now
+            self.compiled.install()
         if self.graphs is not None and self.graphs.handles(batch):
             self.snapshots, self.piece_logits = {}, {}
             return split_logits(*self.graphs.run(batch), greedy=batch.greedy)

@@ -235,3 +235,42 @@ def test_a_request_refused_anyway_costs_no_disk_read(zoo, tmp_path, secret, monk
     with pytest.raises(EngineUnavailable):
         asyncio.run(_answer(engine, second, GREEDY))  # a prompt the cache does not hold: it would read ahead
     assert calls == []
+
+
+def test_a_checkpoint_reused_once_is_written_behind_so_a_crash_keeps_it(zoo, tmp_path, secret):
+    """A pool with room for every prompt evicts nothing, so only a reuse writes: the first load of each prompt's
+    checkpoint queues it (once: a third ask writes nothing more); a new engine on the directory, with no persist
+    before it (a crash), resumes each from disk. With `disk_reuse_mb_s` 0 nothing is written."""
+    prompts = _prompts(zoo[1], 3)
+    off = _engine(zoo, tmp_path / "off", checkpoint_slots=8, host_mb=0.0, disk_reuse_mb_s=0.0)
+    for p in prompts * 2:
+        _ask(off, p)
+    off.cache.disk.flush()
+    assert off.cache.disk.counters.writes == 0 and off.cache.disk.counters.skipped_writes == {}
+    first = _engine(zoo, tmp_path / "on", checkpoint_slots=8, host_mb=0.0)
+    cold = [_ask(first, p) for p in prompts]
+    first.cache.disk.flush()
+    assert first.cache.disk.counters.writes == 0  # stored, never reused: nothing written yet
+    for p in prompts * 2:
+        _ask(first, p)
+    first.cache.disk.flush()
+    assert first.cache.disk.counters.writes == len(prompts)
+    again = _engine(zoo, tmp_path / "on", checkpoint_slots=8, host_mb=0.0)
+    warm = [_ask(again, p) for p in prompts]
+    assert [w.output_ids for w in warm] == [c.output_ids for c in cold]
+    assert all(w.cached_tokens >= len(p) - 64 for w, p in zip(warm, prompts))
+    again.cache.disk.flush()
+    assert again.cache.disk.counters.writes == 0  # read from disk: not written back at its first reuse
+    again.check_integrity()
+
+
+def test_reused_checkpoints_are_written_within_their_byte_rate(zoo, tmp_path, secret):
+    """A rate below one entry a second: the bucket holds one second's bytes, so the first reuse is written (a full
+    bucket lets one entry through) and the next ones, at once after it, are skipped and counted."""
+    prompts = _prompts(zoo[1], 3)
+    engine = _engine(zoo, tmp_path, checkpoint_slots=8, host_mb=0.0, disk_reuse_mb_s=1e-6)
+    for p in prompts * 2:
+        _ask(engine, p)
+    engine.cache.disk.flush()
+    assert engine.cache.disk.counters.writes == 1
+    assert engine.cache.disk.counters.skipped_writes == {"reuse_rate": len(prompts) - 1}

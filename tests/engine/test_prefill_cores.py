@@ -3,13 +3,12 @@ the op on random inputs (padded tails, several sequences, states inside a piece)
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from app.engine.aot import CompileReport
+from app.engine.compiled import CompiledPackages
 from app.engine.config import EngineConfig
 from app.engine.engine import Engine
-from app.engine.prefill import chunk_counts, geometries, load_cores
+from app.engine.prefill import chunk_counts, geometries
 from app.engine.request import SamplingParams
 from app.ops.chunk import chunk_kda, chunk_states_at, compiled_cores, core_key
 from tests.helpers import load_zoo
@@ -51,8 +50,9 @@ def _inputs(B: int, T: int, seed: int):
 def test_compiled_cores_give_the_eager_pass(tmp_path):
     """Cores for 1 and 2 chunks: passes of 1..16 tokens run on them (their tails padded), any batch; the states
     inside a piece come out of the same pass; a pass of 3 chunks, or one that needs gradients, runs eagerly."""
-    report = CompileReport()
-    cores = load_cores(_Tiny(), 16, str(tmp_path), 64, report)
+    cfg = EngineConfig(chunk_size=16, compile_prefill=True, compile_background=False, compile_cache_dir=str(tmp_path))
+    packages = CompiledPackages(_Tiny(), cfg, None)  # built by the compile child; the start waits for them
+    cores, report = packages.cores, packages.prefill_report
     assert list(cores.values())[0].keys() == {1, 2} and report.compiled == 2
     calls = []
     for n, core in list(cores.values())[0].items():
@@ -71,23 +71,22 @@ def test_compiled_cores_give_the_eager_pass(tmp_path):
     with compiled_cores(cores):  # gradients on: the eager pass
         chunk_kda(*_inputs(1, 5, seed=1)[:5], chunk_size=8)
     assert calls == [1, 1, 2, 2]
-    again = CompileReport()
-    load_cores(_Tiny(), 16, str(tmp_path), 64, again)
+    again = CompiledPackages(_Tiny(), cfg, None).prefill_report
     assert (again.loaded, again.compiled) == (2, 0)
 
 
-@pytest.mark.parametrize("name", ["kda-tiny"])
-def test_an_engine_with_compiled_prefill_answers_as_the_eager_one(name, tmp_path):
-    """Prompts of 3..70 tokens through pieces of at most 16 tokens (one chunk: one core to compile), with hits and
-    prompt-end checkpoints cut inside pieces: the greedy tokens and cached lengths of the eager engine."""
-    model, tok = load_zoo(name)
+def test_an_engine_with_compiled_prefill_answers_as_the_eager_one(compiled_kda):
+    """Prompts of 3..70 tokens through pieces of at most 16 tokens (one chunk: one core, loaded from the session's
+    package cache, tests/conftest.py), with hits and prompt-end checkpoints cut inside pieces: the greedy tokens and
+    cached lengths of the eager engine."""
+    root, model, tok = compiled_kda[:3]
     ids = tok.encode(open(__file__).read())
     header = ids[:30]
     prompts = [header + ids[40 + 7 * i : 40 + 7 * i + n] for i, n in enumerate([3, 11, 25, 40])] + [ids[200:207]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    cfg = EngineConfig(chunk_size=16, compile_prefill=True, compile_cache_dir=str(tmp_path))
+    cfg = EngineConfig(chunk_size=16, compile_prefill=True, compile_cache_dir=str(root))
     compiled = Engine(model, tok, cfg)
-    assert compiled.snapshot()["compiled_prefill"]["packages_compiled"] == 1
+    assert compiled.snapshot()["compiled_prefill"]["packages_loaded"] == 1
     plain = Engine(model, tok, EngineConfig(chunk_size=16))
     for _ in range(2):  # the second round resumes from the first one's checkpoints
         got, want = compiled.generate(prompts, params), plain.generate(prompts, params)
