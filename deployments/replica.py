@@ -42,8 +42,9 @@ from deployments.peer_fetch import PeerFetcher, pack, store_room
 log = logging.getLogger("ray.serve")
 SETTING_FIELDS = ("w_max", "policy", "interval", "lookback")
 # snapshot blocks a replica reports besides its flat fields: the acceptance histogram's counts (/metrics'
-# spec_decode_acceptance_length) and the disk tier's counters (/metrics' dasc:disk_tier_*)
-REPORTED_BLOCKS = ("spec_accepted_per_verify", "disk_tier")  # (and the replica's own `peer_fetch` counters)
+# spec_decode_acceptance_length), the disk tier's counters (/metrics' dasc:disk_tier_*) and the background compile's
+# progress (/status)
+REPORTED_BLOCKS = ("spec_accepted_per_verify", "disk_tier", "compile")  # (and the replica's own `peer_fetch` counters)
 KEYS_PUBLISHED = 1024  # the latest prompt_cache_keys (hashed) a replica served, published for the router
 DISK_MARKS = 2048  # the disk tier's most recently used entries a replica publishes marks of
 

@@ -62,7 +62,8 @@ class Place(NamedTuple):
     def config(self, **kw) -> EngineConfig:
         cpu_compiled = self.compiled and self.device == "cpu"  # (compiled prefill passes are the CPU's)
         return EngineConfig(device=self.device, dtype=self.dtype, decode_graphs=self.graphs,
-                            compile_decode=self.compiled, compile_prefill=cpu_compiled, **kw)
+                            compile_decode=self.compiled, compile_prefill=cpu_compiled,
+                            compile_background=False, **kw)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):

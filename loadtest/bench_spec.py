@@ -123,7 +123,7 @@ def bench_model(name: str, batches, max_tokens: int, repeats: int, compiled: boo
     prompts = workloads(tok, max(batches))
     arms = {"plain": {}, "spec": {"spec": "ngram", **({} if max_batch is None else {"spec_max_batch": max_batch})}}
     if compiled:
-        arms["compiled"] = {"compile_decode": True}
+        arms["compiled"] = {"compile_decode": True, "compile_background": False}
     rows = []
     modes = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, seed=1)}
     for b in batches:

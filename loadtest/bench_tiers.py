@@ -28,6 +28,10 @@ prefill seconds per token). Results: loadtest/results/bench_tiers_cpu.json; --ou
   one engine each, interleaved request by request (`cost_arms`); mean TTFT and decode tok/s over the replay
   requests, as medians of per-seed ratios against "off".
 
+`--section stops` (about 10 minutes, loadtest/tiers_stops.py) stops and restarts `python -m app.api.local` with a
+disk tier: a graceful stop (SIGINT), a crash (SIGKILL) after reused checkpoints were written behind, the same crash
+without those writes, and no disk tier; the share of prompts resumed after the restart and their TTFT.
+
 `--section peer` (about 5 minutes, loadtest/tiers_peer.py) measures checkpoints fetched between two replicas on two
 Ray nodes; `--section shapes` (seconds, loadtest/tiers_shapes.py) computes what such a fetch moves and when it beats
 recomputing at Kimi-Linear-48B's and Qwen3-Next-80B's shapes (nothing timed).
@@ -50,7 +54,7 @@ from app.engine.engine import DISK_SECRET_ENV, Engine
 from app.engine.request import SamplingParams
 from app.models.loader import load_model, resolve_model_dir
 from app.models.tokenizer import Tokenizer
-from loadtest import tiers_peer, tiers_shapes
+from loadtest import tiers_peer, tiers_shapes, tiers_stops
 from loadtest.common import start_run, table
 from loadtest.sections import publish
 from loadtest.workloads import text_block
@@ -311,7 +315,7 @@ def main(argv=None) -> None:
     p.add_argument("--min-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=3000)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--section", choices=("host", "disk", "peer", "shapes"), default="host")
+    p.add_argument("--section", choices=("host", "disk", "peer", "shapes", "stops"), default="host")
     p.add_argument("--config", default="configs/config.yaml")
     p.add_argument("--peer-lengths", type=int, nargs="+", default=[1024, 2048, 3072])
     p.add_argument("--repeats", type=int, default=3)
@@ -322,6 +326,9 @@ def main(argv=None) -> None:
     p.add_argument("--restart-prefixes", type=int, default=24)
     p.add_argument("--restart-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--stop-prompts", type=int, default=24)
+    p.add_argument("--stop-tokens", type=int, default=420)
+    p.add_argument("--stop-reused", type=int, default=16)
     p.add_argument("--shapes-w-max", type=float, default=16.0)
     p.add_argument("--mfu", type=float, nargs="+", default=[0.4])
     p.add_argument("--fixed-s", type=float, nargs="+", default=[0.001, 0.02])
@@ -334,6 +341,13 @@ def main(argv=None) -> None:
         publish(record, "production/shapes", results, tiers_shapes.report(results), args.out,
                 "Cache tiers: the host tier under the reuse-distance replay",
                 "Peer fetches at production shapes: bytes per entry and the break-even prefix")
+        return
+    if args.section == "stops":
+        os.environ.setdefault(DISK_SECRET_ENV, "bench-tiers-stops")
+        results = tiers_stops.run(args)
+        publish(record, f"{args.model}/stops", results, tiers_stops.report(results), args.out,
+                "Cache tiers: the host tier under the reuse-distance replay",
+                "Disk tier: what a stop of the single-engine server keeps")
         return
     if args.section == "peer":
         results = tiers_peer.run(args)

@@ -81,6 +81,22 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s ({what})")
 
 
+def wait_compiled(url: str, timeout_s: float, poll_s: float = 0.5) -> float:
+    """Seconds until every engine replica of the server at `url` reports its compiled packages in force, or built
+    as far as the machine allows (/status `compile` no longer "building"; an engine without compiled packages
+    reports none): benchmarks of the compiled speed wait for it, as a first start builds them in the background."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        replicas = httpx.get(f"{url}/status", timeout=30).json().get("replicas", {})
+        if replicas and all((r.get("compile") or {}).get("state") != "building" for r in replicas.values()):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{url}: compiled packages not in force within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)

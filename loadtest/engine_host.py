@@ -81,7 +81,7 @@ def bench_serving(model_name: str, model, tok, prompts_source: list[int], repeat
     out = {"engine": median([timed(engine.generate, [prompt], params)[0]
                              for _ in range(repeats * SAMPLES)]) / NEW * 1e3}
     say({"engine_ms_per_token": out["engine"]})
-    knobs = {"compile_decode": place.compiled, "compile_prefill": place.compiled}
+    knobs = {"compile_decode": place.compiled, "compile_prefill": place.compiled, "compile_background": False}
     for arm in ("local", "ray"):
         if not {arm, f"{arm}-stream"} & set(arms):
             continue

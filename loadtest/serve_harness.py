@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import httpx
 
+from loadtest.common import wait_compiled
+
 
 def free_port(outside_ephemeral: bool = False) -> int:
     """A port free on loopback now. outside_ephemeral: one from 20000-32767, below the kernel's ephemeral range and
@@ -52,7 +54,8 @@ def cluster(num_cpus: int = 4):
 
 @contextmanager
 def deployed(url: str, args: dict):
-    """`build_app(args)` served at `url` (a `cluster`) until the block ends; then deleted with its controller."""
+    """`build_app(args)` served at `url` (a `cluster`) until the block ends; then deleted with its controller. With
+    compiled packages asked for, it yields once they are in force (a first start builds them in the background)."""
     import ray
     from ray import serve
 
@@ -64,6 +67,9 @@ def deployed(url: str, args: dict):
         deadline = time.time() + 120
         while httpx.get(f"{url}/health", timeout=5).status_code != 200 and time.time() < deadline:
             time.sleep(0.5)
+        engine = args.get("engine") or {}
+        if engine.get("compile_decode") or engine.get("compile_prefill"):
+            wait_compiled(url, 1800)
         yield url
     finally:
         serve.delete("dasc")

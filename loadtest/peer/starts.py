@@ -2,8 +2,9 @@
 
 Eager: ours-local with both compile knobs off, the start a compiled one is measured against. Cold: ours-local on
 a new, empty compile cache directory (a private temporary directory), so that every decode
-package and prefill core compiles; then warm: ours-local again on that same directory, now full. Each is timed
-from launch to the first /health 200, and /status reports what the engine compiled and loaded. The ours-ray arm
+package and prefill core compiles (in the background, while it serves eagerly); then warm: ours-local again on that
+same directory, now full. Each is timed from launch to the first /health 200 and to every compiled package in
+force, and /status reports what the engine compiled and loaded. The ours-ray arm
 (one replica) is timed on the default cache, which the cold start above does not touch: its start is warm when
 an earlier run (any bench_peer run, `make serve`) filled it.
 """
@@ -31,7 +32,8 @@ def time_starts(model: str, arms: list[str], logdir: Path, say=print) -> dict:
             server = servers.start("ours-local", model, free_port(), logdir, local_engine=knobs,
                                    timeout=COLD_TIMEOUT_S)
             try:
-                out[label] = {"start_s": server.start_s, **_compile_report(server.url)}
+                out[label] = {"start_s": server.start_s, "compiled_s": server.compiled_s,
+                              **_compile_report(server.url)}
             finally:
                 server.stop()
             say(f"{model} ours-local {label} cache: up in {out[label]['start_s']:.1f} s, {out[label]}")

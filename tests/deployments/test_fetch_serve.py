@@ -16,6 +16,7 @@ import ray
 from tests.deployments.test_serve import (  # noqa: F401 - `cluster` is a fixture used here
     _client,
     _replicas,
+    _wait_digests,
     _wait_for,
     cluster,
     served,
@@ -58,7 +59,8 @@ def test_a_busy_holders_prefix_is_fetched_by_the_idle_replica(app):
     warm = c.completions.create(model="kda-tiny", prompt=PREFIX, max_tokens=1, temperature=0)
     holder = warm.system_fingerprint
     prefix_tokens = warm.usage.prompt_tokens
-    time.sleep(1.5)  # the holder's routing stats publish the prefix's checkpoint
+    for _ in range(2):  # two telemetry windows after it, each on the routing stats' period: those publish its mark
+        _wait_digests(app, {holder.removeprefix("dasc-")}, since=time.time())
     answers = _burst(app, list(range(12)))
     elsewhere = [r for r in answers if r.system_fingerprint != holder]
     assert elsewhere, "the burst stayed on the holder"
