@@ -65,7 +65,7 @@ def _compiled(url: str, replicas: int) -> dict | None:
     if len(blocks) >= replicas and all(b and b["state"] != "building" for b in blocks):
         return {"state": [b["state"] for b in blocks], "packages": [b["packages"] for b in blocks],
                 "in_force": [b["in_force"] for b in blocks],
-                "built": [b.get("built_in_background", 0) for b in blocks]}
+                "built": [b.get("landed", 0) for b in blocks]}
     return None
 
 
@@ -135,7 +135,7 @@ def serve_start(home: Path, tmp: Path, logdir: Path, timeout_s: float) -> dict:
 
 def report(res: dict) -> str:
     cold, warm, ray = res["local cold"], res["local warm"], res["serve"]
-    rows = [[f"app.api.local, {k}", r["first_answer_s"], r["compiled_s"], sum(r["compile"]["built"]),
+    rows = [[f"app.api.local, {k}", r["first_answer_s"], r["compiled_s"], sum(r["compile"]["built"]),  # (1 replica)
              r["compile"]["packages"][0], r["decode_tok_s_at_first_answer"], r["decode_tok_s_compiled"]]
             for k, r in (("empty cache", cold), ("warm cache", warm))]
     md = table(["start", "first answer s", "every package in force s", "built", "packages", "decode tok/s at first "
@@ -144,9 +144,10 @@ def report(res: dict) -> str:
            f"listening yet).\n\n`make serve` (`serve run configs/config.yaml`, 2 replicas) on an empty cache: "
            f"/v1/models answered {ray['models_s']:.1f} s after the launch; a chat completion sent then was answered "
            f"{ray['chat_status']} at {ray['chat_answered_s']:.1f} s; both replicas had every package in force at "
-           f"{ray['compiled_s']:.0f} s (built in the background: {ray['compile']['built']} per replica, "
-           f"{ray['compile']['packages'][0]} packages each).\n\nEntries left in TMPDIR by the two local starts and "
-           f"stops: {res['tmp_left_local']}; by the serve run: {res['tmp_left_serve']}.\n")
+           f"{ray['compiled_s']:.0f} s ({ray['compile']['packages'][0]} packages each; landed from the background "
+           f"build, by it or by the other replica's: {ray['compile']['built']}).\n\nEntries left in TMPDIR by the two "
+           f"local starts and stops: {res['tmp_left_local']}; by the serve run: {res['tmp_left_serve']} (a `pymp-*` "
+           "directory is Ray's: `serve run` leaves one with compiled packages off too).\n")
     return md
 
 

@@ -84,7 +84,7 @@ class CompiledPackages:
                "left": [j.label for j in self.jobs if j.key not in self._in_force]}
         if c is not None:
             end = c.ended if c.ended is not None else time.monotonic()
-            out |= {"built_in_background": len(c.done), "background_s": round(end - c.started, 1), "error": c.error}
+            out |= {"landed": len(c.done), "background_s": round(end - c.started, 1), "error": c.error}
         return out
 
     def _try_install(self, item: Landed) -> bool:

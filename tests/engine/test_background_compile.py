@@ -33,7 +33,7 @@ def test_a_cold_start_serves_at_once_and_swaps_each_package_in_as_it_lands(compi
     assert seen["decode"]["steps"] > 0
     done = seen["done"]
     assert done["state"] == "ready" and done["in_force"] == 2 and done["left"] == [] and done["error"] is None
-    assert done["built_in_background"] == 2  # installed by the idle loop: no request was in flight
+    assert done["landed"] == 2  # installed by the idle loop: no request was in flight
     assert (seen["decode"]["packages_compiled"], seen["prefill"]["packages_compiled"]) == (1, 1)
     assert seen["compiled"] == want
     assert seen["work_left"] == [] and seen["child_rc"] == 0 and seen["reports_read"]
