@@ -6,7 +6,8 @@ exception it wraps, and the whole detail goes to the server's log.
 
 Paths driven, in order: a step that fails (generation failed; the reason given to `fail_next_step` itself holds a
 path, an address and a pid), a request that waits past its queue deadline (queue_timeout), a replica killed
-mid-stream (the stream's error event), a replica whose engine cannot step (engine_unavailable, and /health)."""
+mid-stream (the stream's error event; and a request sent before Serve replaced it: an answer or a 503 with
+Retry-After, never a reset connection), a replica whose engine cannot step (engine_unavailable, and /health)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,12 @@ def test_a_stream_cut_by_a_dead_replica_ends_with_a_clean_error_event(app):
         stream.close()
     assert stream.events[-1] == "[DONE]"
     _assert_clean(json.loads(stream.events[-2]))
+    # while no replica can serve (the dead one not replaced yet): an answer, or a 503 with Retry-After, never a
+    # connection reset (httpx would raise)
+    r = _complete(app, "while it is replaced")
+    assert r.status_code in (200, 503), r.text
+    if r.status_code == 503:
+        assert r.headers["retry-after"] and _assert_clean(r.json())["code"] in ("queue_timeout", "engine_unavailable")
     _wait_for(lambda: _get(f"{app}/health").status_code == 200 and len(_replicas(app)) == 1 or None,
               "Serve replaces the replica")
 
