@@ -10,12 +10,16 @@ load, and read from either the hub layout or transformers' runtime names:
     kimi  block_sparse_moe.                            mlp.
     kimi  ...experts.E.{w1,w3}.weight / w2.weight      mlp.experts.gate_up_proj [E, 2I, D] / down_proj [E, D, I]
     qwen  mlp.experts.E.{gate,up}_proj / down_proj     mlp.experts.gate_up_proj / down_proj
+    qwen3.5 (ConditionalGeneration)  model.language_model.   model.
+Tensors with no place in the text model (a vision tower's `model.visual.*`, an MTP head's `mtp.*`) are skipped and
+named once in the log; any other tensor the model lacks, or a parameter the checkpoint lacks, is an error.
 Tensors are read one at a time with `safe_open`, so only what is asked for is in memory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -26,12 +30,17 @@ from safetensors.torch import save_file
 
 from app.models.hybrid import HybridForCausalLM
 from app.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
+from app.models.qwen3_5 import MODEL_TYPES as QWEN3_5_TYPES
+from app.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, text_name
 from app.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
+log = logging.getLogger(__name__)
 ZOO_DIR = Path(__file__).parent / "zoo"
+# config.json's model_type -> (config class, model class); a config's own model_type names its family
 FAMILIES = {
     "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM),
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+    **{t: (Qwen3_5Config, Qwen3_5ForCausalLM) for t in QWEN3_5_TYPES},
 }
 
 
@@ -51,7 +60,7 @@ def read_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def family_config(config: dict) -> KimiLinearConfig | Qwen3NextConfig:
+def family_config(config: dict) -> KimiLinearConfig | Qwen3NextConfig | Qwen3_5Config:
     """The config class of the family named by config['model_type'], read from a config.json dict (either
     layout). Raises ValueError for an unknown family, KeyError for a missing required key."""
     family = config.get("model_type")
@@ -101,14 +110,17 @@ _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_p
 _CONV = re.compile(r"^(.*\.self_attn)\.(q|k|v)_conv1d\.weight$")
 
 
-def runtime_plan(names: list[str]) -> dict[str, list[str]]:
-    """Runtime tensor name -> the hub tensor names it is built from (in concatenation order)."""
+def runtime_plan(names: list[str], skipped: list[str] | None = None) -> dict[str, list[str]]:
+    """Runtime tensor name -> the hub tensor names it is built from (in concatenation order). Names with no
+    place in a text model are appended to `skipped` when given."""
     plan: dict[str, list[str]] = {}
     experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for name in names:
-        if name.startswith("mtp."):
+        target = text_name(name)
+        if target is None:
+            if skipped is not None:
+                skipped.append(name)
             continue
-        target = name
         for pat, rep in _KIMI_RENAMES:
             target = pat.sub(rep, target)
         if m := _EXPERT.match(target):
@@ -127,11 +139,13 @@ def runtime_plan(names: list[str]) -> dict[str, list[str]]:
 
 
 def _assemble(target: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:  # stored as the runtime tensor (experts saved fused, as [E, 2I, D] / [E, D, I])
+        return parts[0]
     if target.endswith("gate_up_proj"):
         return torch.stack([torch.cat(parts[i : i + 2], dim=0) for i in range(0, len(parts), 2)])
     if target.endswith("experts.down_proj"):
         return torch.stack(parts)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return torch.cat(parts, dim=0)
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> HybridForCausalLM:
@@ -141,9 +155,13 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     model = build_model(config)
     model.config_dict = config
     model.model_dir = model_dir
-    plan = runtime_plan(list(checkpoint_files(model_dir)))
+    skipped: list[str] = []
+    plan = runtime_plan(list(checkpoint_files(model_dir)), skipped)
+    if skipped:
+        log.info("%s: skipped %d tensors with no place in the text model: %s", model_dir, len(skipped),
+                 _summary(skipped))
     expected = model.state_dict()
-    if config.get("tie_word_embeddings"):
+    if model.config.tie_word_embeddings:
         plan.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
     missing, unexpected = sorted(set(expected) - set(plan)), sorted(set(plan) - set(expected))
@@ -158,6 +176,14 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
                 t = t.reshape(expected[target].shape)  # e.g. A_log [H] vs [1, 1, H, 1]
             expected[target].copy_(t)
     return cast_model(model, dtype).eval()
+
+
+def _summary(names: list[str]) -> str:
+    """Tensor names grouped by their first two name parts: 'model.visual.* (12), mtp.* (5)'."""
+    groups: dict[str, int] = defaultdict(int)
+    for n in names:
+        groups[".".join(n.split(".")[:2]) + ".*"] += 1
+    return ", ".join(f"{g} ({c})" for g, c in sorted(groups.items()))
 
 
 def cast_model(model: HybridForCausalLM, dtype: torch.dtype) -> HybridForCausalLM:

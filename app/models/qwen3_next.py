@@ -111,8 +111,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         c = geo.conv_channels
         self.conv1d = nn.Conv1d(c, c, geo.conv_kernel, groups=c, bias=False)
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.nv, bias=False)
+        self._make_projections(cfg.hidden_size)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = RMSNormGated(self.dv, cfg.rms_norm_eps, "silu")
@@ -129,15 +128,25 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(g, t, self.nk, self.dk).float()).repeat_interleave(self.r, dim=2)
         return q, k, v.reshape(g, t, self.nv, self.dv)
 
-    def forward(self, x: torch.Tensor, layout: BatchLayout, conv_state, ssm_state, chunk_size: int):
+    def _make_projections(self, hidden: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.nv, bias=False)
+
+    def _project(self, x: torch.Tensor):
+        """x: [N, D] -> mixed [N, C] (q | k | v, the conv's channel order), z [N, Hv * dv], b, a [N, Hv]."""
         n = x.shape[0]
         qkvz, ba = stacked_linear(x, [self.in_proj_qkvz, self.in_proj_ba]).split(
             [self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]], dim=-1)
         q, k, v, z = qkvz.reshape(n, self.nk, -1).split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
         b, a = ba.reshape(n, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        beta = torch.sigmoid(b.reshape(n, self.nv).float())
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.nv).float() + self.dt_bias.float())
+        return mixed, z.reshape(n, -1), b.reshape(n, self.nv), a.reshape(n, self.nv)
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout, conv_state, ssm_state, chunk_size: int):
+        n = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out, conv, ssm, snaps = recurrent_mix(mixed, g, beta, layout, self.conv1d.weight.squeeze(1), conv_state,
                                               ssm_state, self._split, False, chunk_size)
         out = self.norm(out.to(x.dtype), z.reshape(n, self.nv, self.dv)).reshape(n, -1)
@@ -214,6 +223,7 @@ class SparseMoeBlock(nn.Module):
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
     chunk_size = 64
+    linear_mixer = GatedDeltaNet
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
@@ -222,7 +232,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         layers = []
         for i in range(len(cfg.layer_types)):
             if i in geometry:
-                mixer, name = GatedDeltaNet(cfg, geometry[i]), "linear_attn"
+                mixer, name = self.linear_mixer(cfg, geometry[i]), "linear_attn"
             else:
                 mixer, name = GatedAttention(cfg), "self_attn"
             mlp = SparseMoeBlock(cfg) if cfg.is_sparse(i) else MLP(cfg.hidden_size, cfg.intermediate_size)

@@ -2,9 +2,10 @@
 
 - Attention: query heads split (MLA: q / kv_b rows per head, the shared latent KV replicated; Qwen: q rows per
   head, KV heads split or, when fewer than T, replicated), o_proj columns: partial sums, all_reduce after.
-- Linear attention: head bundles split (KDA: one head; GDN: a key head with its value heads): q/k/v (or
-  qkvz/ba) rows, conv channels, gate projections, A_log, dt_bias, the rows of the gate up-projection and the
-  columns of the output projection; the per-head output norm and low-rank down-projections are replicated.
+- Linear attention: head bundles split (KDA: one head; GDN: a key head with its value heads): q/k/v rows (GDN:
+  Qwen3-Next's grouped qkvz/ba, Qwen3.5's flat qkv/z/b/a), conv channels, gate projections, A_log, dt_bias, the
+  rows of the gate up-projection and the columns of the output projection; the per-head output norm and low-rank
+  down-projections are replicated.
   The mixer's `geometry` becomes the rank's share (`RecurrentGeometry.shard`), so its state shapes follow.
   `head_orders[j]` (stage 1 of TP-balanced placement) permutes linear layer j's heads first: rank r owns the
   contiguous block r of that order — an exact reindexing of every coupled tensor.
@@ -20,6 +21,7 @@ from torch import nn
 from app.models.hybrid import HybridForCausalLM
 from app.models.kimi_linear import KimiDeltaAttention, KimiMLA, KimiMoE
 from app.models.layers import MLP, Experts
+from app.models.qwen3_5 import SplitGatedDeltaNet
 from app.models.qwen3_next import GatedAttention, GatedDeltaNet, SparseMoeBlock
 
 
@@ -107,10 +109,15 @@ def _shard_gdn(m: GatedDeltaNet, rank: int, tp: int, order) -> None:
     else:
         keys = sorted({v // m.r for v in _block(m.nv, rank, tp, order)})
     values = [g * m.r + i for g in keys for i in range(m.r)]
-    group = 2 * m.dk + 2 * m.r * m.dv  # in_proj_qkvz rows per key head
-    _rows(m.in_proj_qkvz, _expand(keys, group))
-    _rows(m.in_proj_ba, _expand(keys, 2 * m.r))
     q, v = _expand(keys, m.dk), _expand(values, m.dv)
+    if isinstance(m, SplitGatedDeltaNet):  # flat projections: q | k | v rows, z by value head, b / a per head
+        _rows(m.in_proj_qkv, torch.cat([q, m.key_dim + q, 2 * m.key_dim + v]))
+        _rows(m.in_proj_z, v)
+        _rows(m.in_proj_b, torch.tensor(values))
+        _rows(m.in_proj_a, torch.tensor(values))
+    else:  # grouped by key head: [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]
+        _rows(m.in_proj_qkvz, _expand(keys, 2 * m.dk + 2 * m.r * m.dv))
+        _rows(m.in_proj_ba, _expand(keys, 2 * m.r))
     conv = m.conv1d.weight
     m.conv1d.weight = nn.Parameter(torch.cat([conv[q], conv[m.key_dim + q], conv[2 * m.key_dim + v]]).clone())
     m.dt_bias = nn.Parameter(m.dt_bias[values].clone())

@@ -1,8 +1,13 @@
 """Our model forward against `transformers` on the same weights (fp32, tolerance 1e-5 max abs on logits),
 and the stacked projection cache behind it.
 
-Tiny random configs of both families, saved by transformers in its hub layout and loaded by our loader:
+Tiny random configs of every family, saved by transformers in its hub layout and loaded by our loader:
 whole-prompt prefill, chunked prefill that carries state across chunks, and greedy decode steps after it.
+Qwen3.5 in all four forms: text-only dense and MoE (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) and the
+hub's vision-language checkpoints (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`: text
+prompts, the vision tower skipped), two configs each: one a 4-layer GQA model with one full-attention layer, one
+with three full-attention layers, odd head counts (3 query heads over 1 KV head, 3 GDN value heads on 1 key
+head), tied embeddings and half-rotary heads.
 """
 
 from __future__ import annotations
@@ -11,7 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import (
+    DynamicCache,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
 from transformers import KimiLinearConfig as HFKimiConfig
 from transformers import KimiLinearForCausalLM as HFKimi
 from transformers import Qwen3NextConfig as HFQwenConfig
@@ -46,12 +61,48 @@ def _qwen_config(moe: bool) -> HFQwenConfig:
     )
 
 
+def _qwen3_5_text(moe: bool, odd: bool) -> dict:
+    """Text-model keys of a Qwen3.5 config: `odd` has 5 layers (3 full attention), 3 heads on 1 KV head, 3 GDN
+    value heads on 1 key head, tied embeddings, half-rotary heads; the other one full-attention layer of 4."""
+    shape = dict(vocab_size=VOCAB, hidden_size=48 if odd else 64, num_hidden_layers=5 if odd else 4,
+                 num_attention_heads=3 if odd else 4, num_key_value_heads=1 if odd else 2, head_dim=16,
+                 linear_key_head_dim=16, linear_value_head_dim=8 if odd else 16, linear_num_key_heads=1 if odd else 2,
+                 linear_num_value_heads=3 if odd else 4, tie_word_embeddings=odd, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)
+    if odd:
+        shape.update(layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention",
+                                  "full_attention"],
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                      "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    if moe:
+        return {**shape, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 24}
+    return {**shape, "intermediate_size": 96}
+
+
+def _qwen3_5_vl(moe: bool, odd: bool):
+    text = _qwen3_5_text(moe, odd)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision,
+                                                          tie_word_embeddings=odd)
+    return Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration, config
+
+
 CASES = {
     "kimi-dense": lambda: (HFKimi, _kimi_config(False, None)),
     "kimi-moe-qlora": lambda: (HFKimi, _kimi_config(True, 32)),
     "qwen-dense": lambda: (HFQwen, _qwen_config(False)),
     "qwen-moe": lambda: (HFQwen, _qwen_config(True)),
+    **{f"qwen3.5-dense{tag}": (lambda odd=odd: (Qwen3_5ForCausalLM, Qwen3_5TextConfig(**_qwen3_5_text(False, odd))))
+       for tag, odd in (("", False), ("-odd", True))},
+    **{f"qwen3.5-moe{tag}": (lambda odd=odd: (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**_qwen3_5_text(True, odd))))
+       for tag, odd in (("", False), ("-odd", True))},
+    **{f"qwen3.5-vl-{kind}{tag}": (lambda moe=moe, odd=odd: _qwen3_5_vl(moe, odd))
+       for kind, moe in (("dense", False), ("moe", True)) for tag, odd in (("", False), ("-odd", True))},
 }
+# a vision-language checkpoint's text model, as our save writes it (the text-only form) and transformers reads it
+TEXT_ONLY = {Qwen3_5ForConditionalGeneration: Qwen3_5ForCausalLM,
+             Qwen3_5MoeForConditionalGeneration: Qwen3_5MoeForCausalLM}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -139,11 +190,16 @@ class _Offset:
 
 
 def test_save_load_round_trip(pair, tmp_path):
-    """Our save (hub layout) loads back into ours and into transformers with identical logits."""
+    """Our save (hub layout; a vision-language checkpoint's text model in the text-only form) loads back into
+    ours and into transformers with identical logits."""
     ref, ours = pair
-    save_model(ours, ref.config.to_dict(), tmp_path)
+    text_cls = TEXT_ONLY.get(type(ref))
+    config = ref.config.to_dict() if text_cls is None else ref.config.text_config.to_dict()
+    if text_cls is not None:
+        config["tie_word_embeddings"] = ref.config.tie_word_embeddings
+    save_model(ours, config, tmp_path)
     again = load_model(tmp_path)
-    ref2 = type(ref).from_pretrained(tmp_path).eval()
+    ref2 = (text_cls or type(ref)).from_pretrained(tmp_path).eval()
     ids = torch.randint(3, VOCAB, (1, 70))
     with torch.no_grad():
         a, b = ours.forward_train(ids), again.forward_train(ids)
