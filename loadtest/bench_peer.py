@@ -54,8 +54,9 @@ from app.models.loader import resolve_model_dir
 from app.models.tokenizer import Tokenizer
 from loadtest.bench_engine import corpus_ids
 from loadtest.common import RESULTS, median, start_run, table
-from loadtest.peer import client, fewshot, gguf, llama, servers
+from loadtest.peer import agreement, client, fewshot, gguf, llama, servers
 from loadtest.peer import starts as start_times
+from loadtest.peer.client import matches
 from loadtest.sections import knob_variant, publish
 from loadtest.serve_harness import free_port
 
@@ -77,13 +78,6 @@ def percentile(xs: list[float], q: float) -> float:
     at = (len(s) - 1) * q / 100
     lo = int(at)
     return s[lo] if lo + 1 >= len(s) else s[lo] + (s[lo + 1] - s[lo]) * (at - lo)
-
-
-def matches(ours: list[int], theirs: list[int], n: int) -> tuple[int, int]:
-    """(positions of n where both have the same id or both have ended, length of the common prefix)."""
-    same = sum((ours[i] if i < len(ours) else None) == (theirs[i] if i < len(theirs) else None) for i in range(n))
-    prefix = next((i for i in range(min(len(ours), len(theirs))) if ours[i] != theirs[i]), min(len(ours), len(theirs)))
-    return same, prefix
 
 
 def paired_ratio(ours: list[float], peer: list[float]) -> float:
@@ -248,12 +242,15 @@ def main(argv=None) -> None:
     p.add_argument("--fewshot", action="store_true",
                    help="only the few-shot row: new headers' queries, ours vs llama-server at -ub 512 and 128 "
                         "(loadtest/peer/fewshot.py)")
+    p.add_argument("--agreement", action="store_true",
+                   help="only greedy agreement with llama-server on the random Qwen3.5 checkpoints "
+                        f"({', '.join(agreement.SYNTH)}; loadtest/peer/agreement.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick and args.out:
         p.error("--quick runs are for development: no --out")
     starts, repeats, agree = (1, 1, 3) if args.quick else (args.starts, args.repeats, 5)
-    if "llama" in args.arms and not args.starts_only:  # (the few-shot row's llama arms too)
+    if ("llama" in args.arms or args.agreement) and not args.starts_only:  # (the few-shot row's llama arms too)
         llama.ensure_server()
     run = start_run("bench_peer", {"models": args.models, "arms": args.arms, "starts": starts, "repeats": repeats,
                                    "threads": servers.THREADS, "llama": llama.PIN,
@@ -274,7 +271,11 @@ def main(argv=None) -> None:
             res = fewshot.bench(model, ids, starts, arms, Path(logdir), model_file, lambda s: print(s, flush=True))
             publish(run, f"{model}/fewshot", res, fewshot.markdown(res), args.out,
                     "Peer: our server vs llama.cpp's llama-server", f"{model}: few-shot headers", directory)
-        for model in () if args.starts_only or args.fewshot else args.models:
+        for model in agreement.SYNTH if args.agreement else ():
+            res = agreement.bench(model, Path(logdir), lambda s: print(s, flush=True))
+            publish(run, f"{model}/agreement", res, agreement.markdown(res), args.out,
+                    "Peer: our server vs llama.cpp's llama-server", f"{model}: greedy agreement", directory)
+        for model in () if args.starts_only or args.fewshot or args.agreement else args.models:
             res = bench_model(model, args.arms, starts, repeats, agree, args.local_engine, Path(logdir),
                               lambda s: print(s, flush=True))
             variant = knob_variant(model, args.local_engine, "local-engine")[0]

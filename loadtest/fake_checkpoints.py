@@ -1,14 +1,24 @@
-"""Synthetic stand-ins for the two hub checkpoints the paper evaluates, for testing the plan tool offline.
+"""Synthetic stand-ins for the two hub checkpoints the paper evaluates and for six Qwen3.5 checkpoints, for
+testing the plan tool offline.
 
 Each directory has the real config.json layout, the real tensor names and shapes and a sharded
 `model.safetensors.index.json`, but holds only what the plan tool may touch plus a few decoys:
 
     decay tensors (fp32, seeded draws)   Kimi  model.layers.{i}.self_attn.A_log [1, 1, 32, 1], .dt_bias [4096]
                                          Qwen  model.layers.{i}.linear_attn.A_log [32], .dt_bias [32]
-    small decoys (real names, shapes)    conv weights, norms, router biases: a few per layer, in the same shards
+                                         Qwen3.5  model.language_model.layers.{i}.linear_attn.A_log [Hv],
+                                                  .dt_bias [Hv]  (Qwen3_5[Moe]ForConditionalGeneration names)
+    small decoys (real names, shapes)    conv weights, norms, router biases / shared-expert gates: a few per
+                                         layer, in the same shards; Qwen3.5 also an MTP-head norm and (where
+                                         the vision tower's width is known) a vision-block norm
     ballast (optional, sparse on disk)   model.embed_tokens.weight and lm_head.weight at full vocab size
-                                         (Kimi 2 x 755 MB, Qwen 2 x 622 MB BF16) in their own shards; the
+                                         (Kimi 2 x 755 MB, Qwen 2 x 622 MB BF16; Qwen3.5 under
+                                         model.language_model., no lm_head where tied) in their own shards; the
                                          data is a hole (no disk), but using a read tensor costs its size in RAM.
+
+The Qwen3.5 configs are the published ones (loadtest/qwen3_5_configs.py, sources there). Qwen3.5's linear
+attention is Qwen3-Next's Gated DeltaNet, so its decay tensors are drawn from the same GDN profile: they are not
+the real weights, and only the geometry (hence the dense bytes) is exact.
 
 Decay draws follow the paper's per-token decay profile (section 3.3, alpha = exp(g) at a = -0.3):
 KDA median 0.471, IQR [0.170, 0.774]; GDN median 0.969, IQR [0.894, 0.997]. As in `app.training.init`,
@@ -17,12 +27,14 @@ dt_bias = softplus^-1(-g / A) + 0.3. The normal's variance is split into layer, 
 components so layers and heads differ the way the paper's Figures 4-5 show; the pooled draws are then
 mapped (each side of the median scaled on its own) so the pooled median and quartiles are the paper's.
 
-    python -m loadtest.fake_checkpoints {kimi-linear-48b-a3b,qwen3-next-80b-a3b} OUT_DIR [--no-ballast]
+    python -m loadtest.fake_checkpoints NAME OUT_DIR [--seed S] [--no-ballast]
+    NAME: kimi-linear-48b-a3b, qwen3-next-80b-a3b, qwen3.5-{0.8b,2b,9b,27b,35b-a3b,397b-a17b}
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import struct
@@ -33,6 +45,7 @@ from safetensors.torch import save_file
 
 from app.dasc.horizons import STATIC_A
 from app.training.init import DECAY_PROFILES
+from loadtest.qwen3_5_configs import QWEN3_5_CONFIGS
 
 KDA_LAYERS = [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]  # 1-indexed
 FULL_ATTN_LAYERS = [4, 8, 12, 16, 20, 24, 27]
@@ -125,30 +138,60 @@ def write_qwen3_next_80b(out_dir: str | Path, seed: int = 0, ballast: bool = Tru
     """Qwen3-Next-80B-A3B: 48 layers, every 4th full attention (36 GDN + 12), 16 key / 32 value heads."""
     cfg = QWEN3_NEXT_80B_CONFIG
     d, n, interval = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["full_attention_interval"]
-    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    hv = cfg["linear_num_value_heads"]
     gdn = [i for i in range(n) if (i + 1) % interval]
     A_log, dt_bias = draw_decay("qwen3_next", len(gdn), hv, 1, seed)
-    layers = []
-    for i in range(n):
-        p = f"model.layers.{i}."
-        t = {p + "input_layernorm.weight": _ones(d), p + "post_attention_layernorm.weight": _ones(d),
-             p + "mlp.shared_expert_gate.weight": torch.zeros(1, d, dtype=torch.bfloat16)}
-        if i in gdn:
-            j = gdn.index(i)
-            t[p + "linear_attn.A_log"] = A_log[j].clone()
-            t[p + "linear_attn.dt_bias"] = dt_bias[j].reshape(hv).clone()
-            t[p + "linear_attn.norm.weight"] = _ones(dv)
-            t[p + "linear_attn.conv1d.weight"] = torch.zeros(2 * hk * dk + hv * dv, 1, cfg["linear_conv_kernel_dim"],
-                                                             dtype=torch.bfloat16)
-        else:
-            t[p + "self_attn.q_norm.weight"] = _ones(cfg["head_dim"])
-            t[p + "self_attn.k_norm.weight"] = _ones(cfg["head_dim"])
-        layers.append(t)
+    layers = [_gdn_layer(f"model.layers.{i}.", cfg, gdn, i, A_log, dt_bias, moe=True) for i in range(n)]
     return _write(out_dir, cfg, layers, {"model.norm.weight": _ones(d)}, d, ballast)
 
 
-FAKES = {"kimi-linear-48b-a3b": write_kimi_linear_48b, "qwen3-next-80b-a3b": write_qwen3_next_80b}
+def _gdn_layer(p: str, cfg: dict, gdn: list[int], i: int, A_log, dt_bias, moe: bool) -> dict[str, torch.Tensor]:
+    """Decoder layer i of a Qwen-style GDN hybrid under the name prefix `p`: its norms, a shared-expert gate when
+    `moe`, and its decay tensors, output norm and conv weight (GDN layers) or q/k norms (attention layers)."""
+    d, hk, hv = cfg["hidden_size"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    t = {p + "input_layernorm.weight": _ones(d), p + "post_attention_layernorm.weight": _ones(d)}
+    if moe:
+        t[p + "mlp.shared_expert_gate.weight"] = torch.zeros(1, d, dtype=torch.bfloat16)
+    if i in gdn:
+        j = gdn.index(i)
+        t[p + "linear_attn.A_log"] = A_log[j].clone()
+        t[p + "linear_attn.dt_bias"] = dt_bias[j].reshape(hv).clone()
+        t[p + "linear_attn.norm.weight"] = _ones(dv)
+        t[p + "linear_attn.conv1d.weight"] = torch.zeros(2 * hk * dk + hv * dv, 1, cfg["linear_conv_kernel_dim"],
+                                                         dtype=torch.bfloat16)
+    else:
+        t[p + "self_attn.q_norm.weight"] = _ones(cfg["head_dim"])
+        t[p + "self_attn.k_norm.weight"] = _ones(cfg["head_dim"])
+    return t
+
+
+QWEN3_5_TEXT_PREFIX = "model.language_model."  # the text model's weights in a ConditionalGeneration checkpoint
+
+
+def write_qwen3_5(name: str, out_dir: str | Path, seed: int = 0, ballast: bool = True) -> Path:
+    """One of the Qwen3.5 checkpoints of `loadtest.qwen3_5_configs` in the hub's ConditionalGeneration layout:
+    every 4th layer full attention, the rest Gated DeltaNet with Hv value heads bundled Hv / Hk per key head;
+    decay draws from the GDN (qwen3_next) profile, as for Qwen3-Next."""
+    cfg = QWEN3_5_CONFIGS[name]
+    text = cfg["text_config"]
+    d, n, hv = text["hidden_size"], text["num_hidden_layers"], text["linear_num_value_heads"]
+    gdn = [i for i, kind in enumerate(text["layer_types"]) if kind == "linear_attention"]
+    A_log, dt_bias = draw_decay("qwen3_next", len(gdn), hv, 1, seed)
+    moe = text.get("num_experts", 0) > 0
+    layers = [_gdn_layer(f"{QWEN3_5_TEXT_PREFIX}layers.{i}.", text, gdn, i, A_log, dt_bias, moe) for i in range(n)]
+    # outside the text model: the MTP head and the vision tower (the plan tool must not care)
+    tail = {QWEN3_5_TEXT_PREFIX + "norm.weight": _ones(d), "mtp.norm.weight": _ones(d),
+            "mtp.pre_fc_norm_hidden.weight": _ones(d)}
+    if "hidden_size" in cfg["vision_config"]:
+        tail["model.visual.blocks.0.norm1.weight"] = _ones(cfg["vision_config"]["hidden_size"])
+    return _write(out_dir, cfg, layers, tail, d, ballast, vocab=text["vocab_size"],
+                  embed=QWEN3_5_TEXT_PREFIX + "embed_tokens.weight",
+                  lm_head=None if cfg["tie_word_embeddings"] else "lm_head.weight")
+
+
+FAKES = {"kimi-linear-48b-a3b": write_kimi_linear_48b, "qwen3-next-80b-a3b": write_qwen3_next_80b,
+         **{name: functools.partial(write_qwen3_5, name) for name in QWEN3_5_CONFIGS}}
 
 
 def decay_tensor_names(model_dir: str | Path) -> list[str]:
@@ -161,15 +204,17 @@ def _ones(n: int) -> torch.Tensor:
     return torch.ones(n, dtype=torch.bfloat16)
 
 
-def _write(out_dir, cfg: dict, layers: list[dict], tail: dict, hidden: int, ballast: bool) -> Path:
-    """Shards: [embed], layers in groups of 4, final norm [+ lm_head]; index with every name and the total size."""
+def _write(out_dir, cfg: dict, layers: list[dict], tail: dict, hidden: int, ballast: bool, vocab: int | None = None,
+           embed: str = "model.embed_tokens.weight", lm_head: str | None = "lm_head.weight") -> Path:
+    """Shards: [embed], layers in groups of 4, final norm [+ lm_head]; index with every name and the total size.
+    vocab defaults to cfg["vocab_size"]; lm_head None: tied embeddings, no LM-head tensor."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = [dict(kv for t in layers[s : s + _LAYERS_PER_SHARD] for kv in t.items())
               for s in range(0, len(layers), _LAYERS_PER_SHARD)]
-    vocab = (cfg["vocab_size"], hidden)
-    shards: list[dict] = ([{"model.embed_tokens.weight": vocab}] if ballast else []) + groups
-    shards.append({**tail, **({"lm_head.weight": vocab} if ballast else {})})
+    shape = (vocab or cfg["vocab_size"], hidden)
+    shards: list[dict] = ([{embed: shape}] if ballast else []) + groups
+    shards.append({**tail, **({lm_head: shape} if ballast and lm_head else {})})
     weight_map, total = {}, 0
     for k, tensors in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"

@@ -107,8 +107,10 @@ async def completion_chunks(outputs, prompts, params, body, rid, settings, tok) 
                **({"system_fingerprint": fingerprint(first)} if first is not None else {})}
 
 
-async def chat_chunks(outputs, body, rid, settings, tok, remember) -> AsyncIterator[dict]:
-    created, comp_t, started, head, compressed, ids = now(), 0, set(), None, False, {}
+async def chat_chunks(outputs, body, rid, settings, tok, remember, split=None) -> AsyncIterator[dict]:
+    """A plain chat's chunks; with `split` (a `Reasoning` factory, app/api/reasoning.py) each choice's text comes
+    as `reasoning_content` and `content` deltas."""
+    created, comp_t, started, head, compressed, ids, parts = now(), 0, set(), None, False, {}, {}
     async with aclosing(outputs):
         async for _, out in outputs:
             head, compressed = head or out, compressed or out.compressed_hit
@@ -116,8 +118,14 @@ async def chat_chunks(outputs, body, rid, settings, tok, remember) -> AsyncItera
             ids.setdefault(out.index, []).extend(out.new_token_ids)
             delta = {} if out.index in started else {"role": "assistant"}
             started.add(out.index)
-            if out.new_text:
-                delta["content"] = out.new_text
+            if split is None:
+                said = out.new_text
+            else:
+                thought, said = parts.setdefault(out.index, split()).feed(out.new_text, out.finished)
+                if thought:
+                    delta["reasoning_content"] = thought
+            if said:
+                delta["content"] = said
             lp = chat_logprobs(tok, out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
             if delta or out.finished or lp:
                 choice = {"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
@@ -130,9 +138,10 @@ async def chat_chunks(outputs, body, rid, settings, tok, remember) -> AsyncItera
                "usage": usage(head.prompt_tokens, comp_t, head.cached_tokens, compressed)}
 
 
-async def chat_tool_chunks(outputs, body, plan, stops, params, rid, settings, tok, remember) -> AsyncIterator[dict]:
-    """A tool-reading chat's chunks: per choice, the role first, then its content and tool-call deltas; the
-    finish_reason (and logprobs) on the chunk of the output that carried them."""
+async def chat_tool_chunks(outputs, body, plan, stops, params, rid, settings, tok, remember,
+                           split=None) -> AsyncIterator[dict]:
+    """A tool-reading chat's chunks: per choice, the role first, then its reasoning (with `split`), content and
+    tool-call deltas; the finish_reason (and logprobs) on the chunk of the output that carried them."""
     created, choices, heads = now(), {}, []
 
     def chunk(index: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
@@ -140,7 +149,8 @@ async def chat_tool_chunks(outputs, body, plan, stops, params, rid, settings, to
                 "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     started = set()
-    async for j, deltas, finish, lp in tool_answers.events(outputs, plan, stops, params.n, tok, choices, heads):
+    async for j, deltas, finish, lp in tool_answers.events(outputs, plan, stops, params.n, tok, choices, heads,
+                                                            split):
         if j not in started:
             started.add(j)
             yield chunk(j, {"role": "assistant", "content": ""})

@@ -4,7 +4,8 @@
 
 Chat messages are encoded with `Tokenizer.encode_chat`: a special-token string in a message is plain text, so
 a user cannot forge a turn. A completion's raw text prompt keeps `encode`'s behaviour (special strings become
-control ids): its sender writes the whole prompt, and may format a chat of its own.
+control ids): its sender writes the whole prompt, and may format a chat of its own. `chat_template_kwargs`
+(vLLM's) must name variables the chat template reads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from app.api.errors import ApiError
 from app.api.schemas import CompletionRequest, field_path, unsupported_field, unsupported_message_field
 from app.engine.grammar import for_tokenizer as grammars_for
 from app.engine.request import SamplingParams
-from app.models.tokenizer import Tokenizer
+from app.models.tokenizer import RENDER_ARGS, Tokenizer
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's cap
@@ -59,16 +60,33 @@ def completion_prompts(body: CompletionRequest, tok: Tokenizer, settings: ApiSet
 
 def chat_prompt(body, tok: Tokenizer, settings: ApiSettings, add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, recall: Recall | None = None) -> list[int]:
-    """The ids of `body.messages` and `tools` (a chat completion's, or /tokenize's). With `recall`, a re-sent
-    answer keeps the ids it was generated as (app/api/recall.py)."""
+    """The ids of `body.messages` and `tools` (a chat completion's, or /tokenize's), rendered with the body's
+    `chat_template_kwargs`. With `recall`, a re-sent answer keeps the ids it was generated as (app/api/recall.py)."""
     _over("messages", "messages in one request", len(body.messages), settings.max_messages)
     messages = [m.template_dict() for m in body.messages]
+    kwargs = template_kwargs(body, tok)
     try:
-        pieces = tok.chat_pieces(messages, add_generation_prompt, tools)
-        ids = None if recall is None else recall.prompt_ids(tok, messages, tools, pieces, body.cache_salt)
+        pieces = tok.chat_pieces(messages, add_generation_prompt, tools, **kwargs)
+        ids = None if recall is None else recall.prompt_ids(tok, messages, tools, pieces, body.cache_salt, kwargs)
     except (ValueError, jinja2.TemplateError) as e:  # the model's template refused the conversation
         raise ApiError(400, f"messages: {e}", param="messages") from e
     return tok.encode_pieces(pieces) if ids is None else ids
+
+
+def template_kwargs(body, tok: Tokenizer) -> dict:
+    """The body's `chat_template_kwargs`, each a variable the chat template reads (beyond messages, tools and
+    the generation prompt) and `enable_thinking` a boolean; else a 400 naming the entry."""
+    kwargs = dict(getattr(body, "chat_template_kwargs", None) or {})
+    takes = tok.template_variables - RENDER_ARGS
+    for name, value in kwargs.items():
+        where = f"chat_template_kwargs.{name}"
+        if name not in takes:
+            known = ", ".join(sorted(takes)) or "none"
+            raise ApiError(400, f"{where}: not a variable of this model's chat template (it takes: {known})",
+                           param=where)
+        if name == "enable_thinking" and type(value) is not bool:
+            raise ApiError(400, f"{where}: must be a boolean", param=where)
+    return kwargs
 
 
 def guided_json(body, tok: Tokenizer) -> str | None:

@@ -91,15 +91,15 @@ class Recall:
             return list(self._entries[key])
 
     def prompt_ids(self, tok: Tokenizer, messages: Sequence[Mapping], tools, pieces: list[str | int],
-                   salt: str | None) -> list[int] | None:
-        """The ids of the chat whose rendered pieces are `pieces`, starting with a remembered prompt and answer,
-        or None if no remembered answer lines up (module docstring)."""
+                   salt: str | None, template_kwargs: Mapping | None = None) -> list[int] | None:
+        """The ids of the chat whose rendered pieces are `pieces` (rendered with `template_kwargs`), starting with
+        a remembered prompt and answer, or None if no remembered answer lines up (module docstring)."""
         if not self.max_tokens:
             return None
         text = "".join(tok.piece_text(p) for p in pieces)
         turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant"][-MAX_LOOKUPS:]
         for k in reversed(turns):
-            before = tok.apply_chat_template(messages[:k], True, tools)
+            before = tok.apply_chat_template(messages[:k], True, tools, **(template_kwargs or {}))
             if not text.startswith(before):
                 continue
             best = None

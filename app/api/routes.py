@@ -3,13 +3,15 @@
 Errors are OpenAI-style JSON (app/api/errors.py). In front of the routes, `Guard` (app/api/guards.py) checks the
 key, the body size and admission, and turns any unhandled exception into a JSON 500; CORS is on only when
 `cors_origins` names origins. The prompts of one request are generated concurrently and streamed through a
-bounded buffer (app/api/streams.py), and leave collected whole or as server-sent chunks (app/api/answers.py).
+bounded buffer (app/api/streams.py), and leave collected whole or as server-sent chunks (app/api/answers.py). A
+thinking template's chat answers split their reasoning off as `reasoning_content` (app/api/reasoning.py).
 Request bodies are in app/api/schemas.py; caps an operator sets are checked here (app/api/limits.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -24,7 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api import limits, responses, tool_answers, tools
+from app.api import limits, reasoning, responses, tool_answers, tools
 from app.api.answers import chat_chunks, chat_tool_chunks, collect, completion_chunks, fingerprint, first_output, sse
 from app.api.errors import REQUEST_ID, ApiError, error_response, openapi_responses, public_reason, strip_422
 from app.api.guards import Guard, RequestId
@@ -184,31 +186,38 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 "usage": usage(sum(h.prompt_tokens for h in heads), comp_t, sum(h.cached_tokens for h in heads),
                                any(o.compressed_hit for o in final.values()))}
 
+    thinking = reasoning.thinks(tok.chat_template)
+
     @app.post("/v1/chat/completions", responses=GENERATION)
     async def chat(body: ChatCompletionRequest, request: Request):
         limits.check_request(body, settings)
         plan = await tools.plan(body, tok, settings)
         prompt = limits.chat_prompt(body, tok, settings, tools=plan and plan.tools, recall=recall)
         limits.check_prompt(prompt, settings, tok)
+        opened = thinking and reasoning.opens_reasoning(tok.decode(prompt))
+        if plan is not None and opened:
+            plan = tools.after_reasoning(plan, tok)
+        reads_calls = plan is not None and plan.reads_calls
+        implicit_end = reads_calls and not plan.reasoned  # a forced call after the reasoning cannot end it
+        split = functools.partial(reasoning.Reasoning, opened, implicit_end) if thinking else None
         asked = body.max_completion_tokens or body.max_tokens
         if asked is None:  # chat's default, as vLLM's: the rest of the context (within the operator's limit)
             asked = max(1, min(settings.max_tokens_limit, backend.max_model_len - len(prompt)))
-        reads_calls = plan is not None and plan.reads_calls
         params = limits.sampling_params(body, asked, settings, 1, tok.vocab_size, limits.guided_json(body, tok),
                                         guided_tools=plan and plan.guided, engine_stops=not reads_calls,
                                         output_resumed=True)  # a chat answer comes back in the next turn's prompt
         _validate(backend, prompt, params)
         rid = _request_id("chatcmpl", request)
         if reads_calls:
-            return await _chat_tools(body, plan, prompt, params, rid, settings, tok)
+            return await _chat_tools(body, plan, prompt, params, rid, settings, tok, split)
         outputs = _start(backend, [prompt], params, settings, body.stream, RouteHint(body.prompt_cache_key))
         if body.stream:
             return sse(chat_chunks(await first_output(outputs), body, rid, settings, tok, lambda ids: _remember(
-                body, prompt, ids)))
+                body, prompt, ids), split))
         final, entries, _ = await collect(outputs, params.logprobs is not None)
         outs = [out for _, out in sorted(final.items())]
         _remember(body, prompt, [o.output_ids for o in outs])
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+        choices = [{"index": o.index, "message": _message(o.text, split),
                     "logprobs": None if params.logprobs is None else chat_logprobs(tok, *zip(*entries[(0, o.index)])),
                     "finish_reason": o.finish_reason} for o in outs]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": settings.model_name,
@@ -223,13 +232,13 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
             for ids in outputs:
                 recall.remember(body.cache_salt, text, prompt, ids)
 
-    async def _chat_tools(body, plan, prompt, params, rid, settings, tok):
+    async def _chat_tools(body, plan, prompt, params, rid, settings, tok, split):
         stops = tuple(body.stop or ()) if not plan.forced else ()
         outputs = _start(backend, [prompt], params, settings, True, RouteHint(body.prompt_cache_key))
         if body.stream:
             return sse(chat_tool_chunks(await first_output(outputs), body, plan, stops, params, rid, settings, tok,
-                                           lambda ids: _remember(body, prompt, ids)))
-        choices, head = await tool_answers.collect(aiter(outputs), plan, stops, params.n, tok)
+                                           lambda ids: _remember(body, prompt, ids), split))
+        choices, head = await tool_answers.collect(aiter(outputs), plan, stops, params.n, tok, split)
         _remember(body, prompt, [c.ids for _, c in sorted(choices.items())])
         answers = [{"index": j, "message": c.message(), "finish_reason": c.finish_reason,
                     "logprobs": chat_logprobs(tok, *zip(*c.entries)) if params.logprobs is not None else None}
@@ -240,6 +249,15 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                                head.compressed_hit)}
 
     return app
+
+
+def _message(text: str, split) -> dict:
+    """A plain chat answer's message: its text as content, or split by a fresh `Reasoning` from `split`."""
+    if split is None:
+        return {"role": "assistant", "content": text}
+    parts = split()
+    parts.feed(text, True)
+    return {"role": "assistant", **parts.message()}
 
 
 def _lifespan(backend: Backend):

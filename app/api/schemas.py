@@ -248,6 +248,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = ""
+    reasoning_content: Text | None = None  # an assistant's reasoning (the template decides where it goes)
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: Text | None = Field(default=None, max_length=256)  # a tool result's: the call it answers
 
@@ -255,6 +256,8 @@ class ChatMessage(BaseModel):
     def _roles(self):
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only an assistant message has them")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("reasoning_content: only an assistant message has it")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
         return self
@@ -262,6 +265,8 @@ class ChatMessage(BaseModel):
     def template_dict(self) -> dict:
         """What the chat template sees: role, the content's text, and the tool fields where set."""
         out: dict = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -274,6 +279,10 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# vLLM's `chat_template_kwargs`: scalars by name, checked against the template's variables in the routes
+TemplateKwargs = dict[Annotated[str, Field(max_length=64)], bool | int | float | Text | None]
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -283,6 +292,8 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = Field(default=True, description="false: at most one call per answer")
+    chat_template_kwargs: TemplateKwargs | None = Field(default=None, description="vLLM's: the chat template's own "
+                                                        "variables (enable_thinking for Qwen3.5)")
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -300,6 +311,7 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool = Field(default=True, description="the zoo tokenizers add none either way")
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

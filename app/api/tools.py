@@ -9,16 +9,20 @@ caps (`ApiSettings`) and the chat template's tool format (app/api/tool_calls.py)
   (whatever the choice, so that a schema it cannot take is refused up front), within `max_grammar_compile_s`.
 - Caps: `max_tools` functions, `max_tools_chars` characters of tool JSON, `max_tool_calls` calls per answer; the
   rendered tools count against `max_prompt_tokens` like any prompt text.
+- A prompt that opened a reasoning block (Qwen3.5 thinking, app/api/reasoning.py) gets forced calls after the
+  reasoning (`after_reasoning`): the model reasons freely, cannot end there, and from its `</think>` the calls are
+  forced, as vLLM applies a tool grammar once the reasoning ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from app.api.errors import ApiError
+from app.api.reasoning import AFTER_THINK, END_THINK
 from app.api.tool_calls import ToolFormat, format_of
 from app.engine.grammar import for_tokenizer as grammars_for
 from app.models.tokenizer import Tokenizer
@@ -35,6 +39,10 @@ class ToolPlan:
     choice: str  # none | auto | required | named
     guided: str | None  # the ToolSpec JSON the engine's grammar follows (SamplingParams.guided_tools), if any
     max_calls: int
+    functions: list[tuple[str, str]] = field(default_factory=list)  # (name, parameters schema text) allowed
+    base: int = 0  # the conversation's calls so far
+    schemas: dict = field(default_factory=dict)  # each function's parameters, by name (typing XML values)
+    reasoned: bool = False  # forced calls come after the output's reasoning block (`after_reasoning`)
 
     @property
     def reads_calls(self) -> bool:
@@ -81,7 +89,7 @@ async def plan(body: ChatCompletionRequest, tok: Tokenizer, settings: ApiSetting
             raise ApiError(400, f"tools.{i}.function.name: {tool.function.name!r} is named twice",
                            param=f"tools.{i}.function.name")
     schemas = [_schema(t.function.parameters, f"tools.{i}.function.parameters") for i, t in enumerate(body.tools)]
-    await _compile(tok, schemas, settings.max_grammar_compile_s)
+    await _compile(tok, fmt, schemas, settings.max_grammar_compile_s)
     kind = choice.type if choice is not None and not isinstance(choice, str) else (choice or "auto")
     if kind == "function":
         name = choice.function.name
@@ -103,7 +111,21 @@ async def plan(body: ChatCompletionRequest, tok: Tokenizer, settings: ApiSetting
         guided = fmt.spec(functions, base, max_calls).to_json()
     elif kind == "auto" and unbound and any(t.function.strict for t in body.tools):
         guided = _triggered(tok, fmt.spec(functions, base, max_calls, trigger=fmt.opens).to_json())
-    return ToolPlan(fmt, tools, kind, guided, max_calls)
+    schemas_of = {t.function.name: t.function.parameters or {} for t in body.tools}
+    return ToolPlan(fmt, tools, kind, guided, max_calls, functions, base, schemas_of)
+
+
+def after_reasoning(plan: ToolPlan, tok: Tokenizer) -> ToolPlan:
+    """A forced plan whose calls follow a reasoning block the prompt opened: free text that cannot end the output
+    until the model writes `</think>`, then the template's separator and the calls as forced. The plan as it was
+    where the tokenizer does not write `</think>` as the first tokens of that literal."""
+    if not plan.forced:
+        return plan
+    spec = plan.fmt.spec(plan.functions, plan.base, plan.max_calls, trigger=END_THINK, before=END_THINK + AFTER_THINK,
+                         free_ends=False).to_json()
+    if _triggered(tok, spec) is None:
+        return plan
+    return replace(plan, guided=spec, reasoned=True)
 
 
 def _triggered(tok: Tokenizer, spec: str) -> str | None:
@@ -117,15 +139,15 @@ def _triggered(tok: Tokenizer, spec: str) -> str | None:
     return spec
 
 
-async def _compile(tok: Tokenizer, schemas: list[str], limit_s: float) -> None:
-    """Compile every schema (cached by text), in a worker thread: past `limit_s` the request is refused (the
-    compilation finishes in the background and is cached; the size caps bound it)."""
+async def _compile(tok: Tokenizer, fmt: ToolFormat, schemas: list[str], limit_s: float) -> None:
+    """Compile every schema (cached by text) as the format's arguments, in a worker thread: past `limit_s` the
+    request is refused (the compilation finishes in the background and is cached; the size caps bound it)."""
     grammars = grammars_for(tok)
 
     def run() -> tuple[int, str] | None:
         for i, text in enumerate(schemas):
             try:
-                grammars.compile(text)
+                grammars.compile_arguments(text, fmt.style, fmt.tail)
             except ValueError as e:
                 return i, str(e)
         return None

@@ -16,12 +16,14 @@ A sequence's `GrammarState` is made at its first constrained row and follows its
 keeps them, forks of n > 1 have their own); `mask` first catches up with tokens it has not seen and starts
 over if the outputs are not the ones it consumed. Invariant: after `sync(ids)`, the matcher has accepted
 exactly `ids`. The end tokens are allowed only where the JSON value is complete, and once it is complete only
-they are; accepting one terminates the matcher.
+they are; accepting one terminates the matcher. Forced tool calls' arguments compile here too
+(`compile_arguments`: JSON, or Qwen3.5's XML parameters, whose raw-text values may hold newlines and tabs).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -85,6 +87,7 @@ class JsonGrammars:
         self.vocab_size = vocab_size
         self.end_ids = tuple(tokenizer.stop_token_ids)
         self.encode = tokenizer.encode  # tool-call literals: their text as the tokenizer reads it, specials included
+        self._added = {tokenizer.token_bytes(i).decode(): i for i in tokenizer.added_token_ids}
         info = xgr.TokenizerInfo(table, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(self.end_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
@@ -93,6 +96,9 @@ class JsonGrammars:
         keep = torch.ones(vocab_size, dtype=torch.bool)
         keep[[i for i, b in enumerate(table) if any(c < 0x20 for c in b)]] = False
         self.keep = keep  # [V] bool: tokens that may ever appear (no raw control bytes)
+        text = torch.ones(vocab_size, dtype=torch.bool)
+        text[[i for i, b in enumerate(table) if any(c < 0x20 and c not in b"\t\n\r" for c in b)]] = False
+        self.keep_text = text  # [V] bool: the same for raw text (XML values), where tabs and newlines are text
 
     def _cached(self, cache: OrderedDict, text: str, make):
         """`cache[text]`, made by `make(text)` outside the lock on a miss (LRU, CACHED_GRAMMARS entries)."""
@@ -118,6 +124,28 @@ class JsonGrammars:
             return self._compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"),
                                                       strict_mode=True)
         except RuntimeError as e:  # xgrammar reports schema errors as RuntimeError with a C++ location prefix
+            raise ValueError(f"the schema cannot be compiled: {str(e).split(': ', 1)[-1].strip()}") from None
+
+    def compile_arguments(self, text: str, style: str = "json", tail: str = "") -> xgr.CompiledGrammar:
+        """A forced call's arguments grammar for the schema in `text` (cached): JSON (`compile`), or "qwen_xml"
+        parameter blocks followed by `tail` (app/engine/tool_grammar.py). ValueError as `compile`'s."""
+        if style == "json":
+            return self.compile(text)
+        if style != "qwen_xml":
+            raise ValueError(f"unknown tool-call arguments style {style!r}")
+        return self._cached(self._cache, f"{style}\0{tail}\0{text}", lambda _: self._compile_xml(text, tail))
+
+    def _compile_xml(self, text: str, tail: str) -> xgr.CompiledGrammar:
+        schema = check_schema(text)
+        parts: list[dict] = [{"type": "json_schema", "json_schema": schema, "style": "qwen_xml",
+                              "max_whitespace_cnt": 1}]
+        for piece in _split_added(tail, self._added):
+            parts.append({"type": "token", "token": piece} if isinstance(piece, int) else
+                         {"type": "const_string", "value": piece})
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": parts}}
+        try:
+            return self._compiler.compile_structural_tag(json.dumps(tag))
+        except (RuntimeError, ValueError) as e:
             raise ValueError(f"the schema cannot be compiled: {str(e).split(': ', 1)[-1].strip()}") from None
 
     def state(self, text: str) -> GrammarState:
@@ -179,6 +207,14 @@ class GrammarState:
     def mask(self, row: torch.Tensor, output_ids: Seq[int]) -> None:
         """Set the logits of tokens that may not follow `output_ids` to -inf, in place. row: [V]."""
         row.masked_fill_(~self.allowed(output_ids).to(row.device), float("-inf"))
+
+
+def _split_added(text: str, added: dict[str, int]) -> list[str | int]:
+    """`text` as the tokenizer reads it: its added tokens as their ids, the text between them as text."""
+    if not added:
+        return [text] if text else []
+    pattern = re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")")
+    return [added[p] if i % 2 else p for i, p in enumerate(pattern.split(text)) if p]
 
 
 _GRAMMARS: weakref.WeakKeyDictionary[Tokenizer, dict[int, JsonGrammars]] = weakref.WeakKeyDictionary()

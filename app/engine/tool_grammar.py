@@ -10,6 +10,12 @@ Where the literals of several functions part, the model picks among them. Betwee
 arguments follow its parameter schema through the JSON grammar (app/engine/grammar.py); the arguments end where
 the object closes (the root of a parameters schema is an object, which cannot go on once closed).
 
+Arguments are JSON (`style` "json") or Qwen3.5's XML parameter blocks ("qwen_xml": xgrammar's
+`JSONSchemaFormat(style="qwen_xml")`, one whitespace character at most around each tag and value, where the
+template writes a newline). XML parameters have no closing bracket of their own, so that style's argument grammar
+takes the tail too (its added tokens, such as `</tool_call>`, as their ids) and ends with it; its literals below
+then have an empty tail.
+
 Literal choices at call c (base = `index_base`, the conversation's calls so far, for templates whose call ids
 count them):
     c == 0:      prefix + head(f, base)                                   for each function f
@@ -21,6 +27,8 @@ With a `trigger` (`tool_choice` auto with strict tools) the output is free text,
 its ids end with the trigger's (the format's opener: Qwen's `<tool_call>`, Kimi's section begin); the first
 call's literal, which starts with those ids, then goes on from there, and everything after follows as above.
 That is OpenAI's `strict`: a call the model starts is written whole and its arguments follow the schema.
+Without `free_ends` the free text cannot end the output (a forced call after a reasoning block: the trigger is
+the block's close, `</think>`, and the first call's literal starts with it).
 
 `ToolCallState` has `GrammarState`'s interface (`sync`, `allowed`, `mask`, `terminated`, `consumed`): it follows
 a sequence's output ids and rolls back to a common prefix (speculative decoding walks it along drafts), keeping
@@ -73,6 +81,8 @@ class ToolSpec:
     index_base: int = 0
     max_calls: int = 1
     trigger: str = ""  # free text until the output's ids end with this text's (see the module docstring)
+    style: str = "json"  # the arguments: JSON, or "qwen_xml" parameter blocks
+    free_ends: bool = True  # the free text before the trigger may end the output
 
     def to_json(self) -> str:
         return json.dumps({**self.__dict__, "functions": [list(f) for f in self.functions]}, sort_keys=True)
@@ -84,6 +94,11 @@ class ToolSpec:
 
     def head_of(self, name: str, index: int) -> str:
         return self.head.replace("{name}", name).replace("{index}", str(index))
+
+    @property
+    def literal_tail(self) -> str:
+        """The tail as written by the literals (an XML call's is its arguments grammar's)."""
+        return self.tail if self.style == "json" else ""
 
 
 @dataclass
@@ -107,10 +122,10 @@ class PreparedTools:
             index = s.index_base + calls
             out = []
             if calls < s.max_calls:
-                before = s.prefix if calls == 0 else s.tail + s.separator
+                before = s.prefix if calls == 0 else s.literal_tail + s.separator
                 out += [(tuple(enc(before + s.head_of(name, index))), i) for i, (name, _) in enumerate(s.functions)]
             if calls > 0:
-                out.append((tuple(enc(s.tail + s.suffix + s.end)), -1))
+                out.append((tuple(enc(s.literal_tail + s.suffix + s.end)), -1))
             self._choices[calls] = out
         return self._choices[calls]
 
@@ -120,7 +135,8 @@ def prepare(grammars: JsonGrammars, text: str) -> PreparedTools:
     spec = ToolSpec.from_json(text)
     if not spec.functions or spec.max_calls < 1:
         raise ValueError("a tool-call grammar needs a function and at least one call")
-    prepared = PreparedTools(spec, grammars, [grammars.compile(schema) for _, schema in spec.functions])
+    compiled = [grammars.compile_arguments(schema, spec.style, spec.tail) for _, schema in spec.functions]
+    prepared = PreparedTools(spec, grammars, compiled)
     end = prepared.grammars.encode(spec.end)
     if len(end) != 1 or end[0] not in grammars.end_ids:
         raise ValueError(f"the tool format's end {spec.end!r} is not one end token of this tokenizer")
@@ -226,9 +242,11 @@ class ToolCallState:
         g, at = self._p.grammars, self._at
         if at.phase == ARGS:
             self._matchers[at.calls][0].fill_next_token_bitmask(self._bits)
-            return unpack(self._bits[0], g.vocab_size) & g.keep
+            return unpack(self._bits[0], g.vocab_size) & (g.keep if self._p.spec.style == "json" else g.keep_text)
         if at.phase == FREE:
-            return torch.ones(g.vocab_size, dtype=torch.bool)
+            free = torch.ones(g.vocab_size, dtype=torch.bool)
+            free[list(g.end_ids)] = self._p.spec.free_ends
+            return free
         out = torch.zeros(g.vocab_size, dtype=torch.bool)
         if at.phase == LITERAL:
             choices = self._p.choices(at.calls)

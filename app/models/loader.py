@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from app.models.hybrid import HybridForCausalLM
 from app.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from app.models.qwen3_5 import MODEL_TYPES as QWEN3_5_TYPES
-from app.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, text_name
+from app.models.qwen3_5 import NOT_TEXT, Qwen3_5Config, Qwen3_5ForCausalLM, text_name
 from app.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 log = logging.getLogger(__name__)
@@ -179,10 +179,10 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
 
 
 def _summary(names: list[str]) -> str:
-    """Tensor names grouped by their first two name parts: 'model.visual.* (12), mtp.* (5)'."""
+    """Tensor names grouped by the part they belong to: 'model.visual.* (12), mtp.* (5)'."""
     groups: dict[str, int] = defaultdict(int)
     for n in names:
-        groups[".".join(n.split(".")[:2]) + ".*"] += 1
+        groups[next((p for p in NOT_TEXT if n.startswith(p)), n) + "*"] += 1
     return ", ".join(f"{g} ({c})" for g, c in sorted(groups.items()))
 
 

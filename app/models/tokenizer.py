@@ -5,6 +5,17 @@ Files in a tokenizer directory (what `transformers.AutoTokenizer.from_pretrained
     tokenizer_config.json    special tokens, the `chat_template` (templates/qwen3_next.jinja: ChatML turns, Qwen-style
                              tools), `clean_up_tokenization_spaces: false`
     special_tokens_map.json  bos/eos/pad and the two chat markers
+    chat_template.jinja      a checkpoint's template as newer hub repositories ship it (wins over the config's)
+
+Chat templates (templates/, picked by config.json's model_type when the directory names none):
+    model_type                       template             tool calls                  thinking
+    qwen3_next (and the zoo)         qwen3_next.jinja     `<tool_call>` JSON blocks   none
+    kimi_linear                      kimi_linear.jinja    Kimi's tool-call sections   none
+    qwen3_5, qwen3_5_moe (+ _text)   qwen3_5.jinja        Qwen3-Coder XML calls       `<think>` opened in the prompt
+A template's own variables beyond messages, tools and add_generation_prompt (Qwen3.5's `enable_thinking`) are
+`template_kwargs`, as transformers' `apply_chat_template(**kwargs)` passes them. A template that iterates a call's
+`arguments` (`arguments|items`: Qwen3.5's, Qwen3-Coder's) gets a JSON-string `arguments` as the object it holds, as
+vLLM and SGLang hand it over; the others get the string, which they write back verbatim.
 
 Special ids: 0 `<|endoftext|>` (bos, eos and pad for plain completion), 1 `<|im_start|>`, 2 `<|im_end|>`.
 No normalizer and no added bos/eos, so `decode(encode(s)) == s` for every string `s`.
@@ -30,8 +41,12 @@ EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOT, IM_START, IM_END)
 TEMPLATES = Path(__file__).parent / "templates"
 # The zoo's chat format: Qwen3-Next's (ChatML turns, and a Qwen-style tools section when tools are given); it is
-# also the template of a tokenizer directory that names none. Kimi-Linear's is templates/kimi_linear.jinja.
+# also the template of a tokenizer directory that names none and whose model_type has no template of its own.
 CHAT_TEMPLATE = (TEMPLATES / "qwen3_next.jinja").read_text()
+FAMILY_TEMPLATES = {"kimi_linear": "kimi_linear.jinja",
+                    **{t: "qwen3_5.jinja" for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}}
+RENDER_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"})
+OBJECT_ARGUMENTS = re.compile(r"arguments\s*\|\s*items")
 
 
 class Tokenizer:
@@ -42,6 +57,8 @@ class Tokenizer:
         self.config = dict(config)
         self.chat_template = chat_template
         self._template = _compile_template(chat_template)
+        self.template_variables = _template_variables(chat_template)
+        self._object_arguments = bool(OBJECT_ARGUMENTS.search(chat_template))
         self.eos_token_id = self._config_token("eos_token")
         if self.eos_token_id is None:
             raise ValueError("tokenizer_config.json names no eos_token")
@@ -52,6 +69,7 @@ class Tokenizer:
         ends = (self.eos_token_id, backend.token_to_id(EOT), backend.token_to_id(IM_END))
         self.stop_token_ids = tuple(dict.fromkeys(t for t in ends if t is not None))
         added = backend.get_added_tokens_decoder()
+        self.added_token_ids = frozenset(added)  # special or not (Qwen's `<tool_call>` is not)
         self._special_ids = frozenset({i for i, t in added.items() if t.special} |
                                       {i for i in map(backend.token_to_id, SPECIAL_TOKENS) if i is not None})
         self._bytes = _token_bytes(backend, frozenset(added))
@@ -115,37 +133,74 @@ class Tokenizer:
         return self._bytes[token_id]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, object]] | None = None) -> str:
-        """Render `messages` (OpenAI-shaped dicts: role, content, tool_calls, tool_call_id) and `tools` exactly as
-        transformers renders the template."""
+                            tools: Sequence[Mapping[str, object]] | None = None, **template_kwargs: object) -> str:
+        """Render `messages` (OpenAI-shaped dicts: role, content, reasoning_content, tool_calls, tool_call_id) and
+        `tools` exactly as transformers renders the template; `template_kwargs` are the template's own variables
+        (module docstring). ValueError for a call's `arguments` that is not a JSON object where the template needs
+        one, and for a keyword that is a rendering argument itself."""
+        if clash := RENDER_ARGS & set(template_kwargs):
+            raise ValueError(f"{sorted(clash)[0]} is not a template keyword")
         specials = {k: self.config[k] for k in ("bos_token", "eos_token", "pad_token") if k in self.config}
-        return self._template.render(messages=[dict(m) for m in messages], tools=list(tools) if tools else None,
-                                     add_generation_prompt=add_generation_prompt, **specials)
+        return self._template.render(messages=self._chat(messages), tools=list(tools) if tools else None,
+                                     add_generation_prompt=add_generation_prompt, **specials, **template_kwargs)
+
+    def _chat(self, messages: Sequence[Mapping[str, object]]) -> list[dict]:
+        """The messages as the template takes them (JSON-string arguments as objects where it iterates them)."""
+        if not self._object_arguments:
+            return [dict(m) for m in messages]
+        return [_object_arguments(dict(m), i) for i, m in enumerate(messages)]
 
     def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, object]] | None = None) -> list[int]:
+                    tools: Sequence[Mapping[str, object]] | None = None, **template_kwargs: object) -> list[int]:
         """Ids of the rendered chat where only the template's own special tokens are control ids; a special-token
         string inside a message or a tool (content, arguments, a description, ...) is encoded as plain text."""
-        return self.encode_pieces(self.chat_pieces(messages, add_generation_prompt, tools))
+        return self.encode_pieces(self.chat_pieces(messages, add_generation_prompt, tools, **template_kwargs))
+
+    def encode_chat_continuation(self, messages: Sequence[Mapping[str, object]],
+                                 assistant_message: Mapping[str, object],
+                                 tools: Sequence[Mapping[str, object]] | None = None,
+                                 **template_kwargs: object) -> list[int]:
+        """The ids of `messages + [assistant_message]` as the next turn re-sends them: the assistant turn in the
+        form the template gives a past turn (Qwen3.5's drops its reasoning), up to and including the `<|im_end|>`
+        that closes it and the whitespace the template writes after it. These ids start the `encode_chat` of the
+        conversation with any user message after it.
+
+        How: the conversation is rendered with a probe user message after the answer (no generation prompt), and
+        cut where the text between the answer's `<|im_end|>` and the probe's turn ends; ValueError if the template
+        closes the answer with no `<|im_end|>`."""
+        probe = _unused_char(list(_strings([messages, assistant_message, tools])))
+        pieces = self.chat_pieces([*messages, assistant_message, {"role": "user", "content": probe}], False, tools,
+                                  **template_kwargs)
+        at = next(i for i, p in enumerate(pieces) if isinstance(p, str) and probe in p)
+        end = self._backend.token_to_id(IM_END)
+        closes = [i for i in range(at) if pieces[i] == end]
+        if not closes:
+            raise ValueError("the chat template closes the assistant turn without <|im_end|>")
+        cut = closes[-1] + 1
+        after = pieces[cut] if cut < at and isinstance(pieces[cut], str) else ""
+        gap = after[: len(after) - len(after.lstrip())]
+        return self.encode_pieces([*pieces[:cut], *([gap] if gap else [])])
 
     def chat_pieces(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, object]] | None = None) -> list[str | int]:
+                    tools: Sequence[Mapping[str, object]] | None = None,
+                    **template_kwargs: object) -> list[str | int]:
         """The rendered chat as pieces: the ids of the template's own special tokens, and the text between them.
 
-        How: each special-token string inside any string of the messages and tools is broken by a marker
+        How: each special-token string inside any string of the messages and tools (keys included) is broken by a marker
         character that occurs in none of them (a private-use code point), the template is rendered, the result
         is split at the special tokens left (the template's), and the markers are removed from the text between.
         Joined (ids as their strings) the pieces are `apply_chat_template`'s text."""
         if not self._special_text:
-            return [self.apply_chat_template(messages, add_generation_prompt, tools)]
+            return [self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)]
+        messages = self._chat(messages)  # arguments parsed first, so that what their JSON escapes spells is marked
         marker = _unused_char(list(_strings([messages, tools])))
         special = re.compile("(" + "|".join(map(re.escape, sorted(self._special_text, key=len, reverse=True))) + ")")
 
         def escape(text: str) -> str:
             return special.sub(lambda s: s[0][0] + marker + s[0][1:], text)
 
-        rendered = self.apply_chat_template(_map_strings(list(messages), escape), add_generation_prompt,
-                                            _map_strings(tools, escape) if tools else None)
+        rendered = self.apply_chat_template(_map_strings(messages, escape), add_generation_prompt,
+                                            _map_strings(tools, escape) if tools else None, **template_kwargs)
         pieces: list[str | int] = []
         for i, piece in enumerate(special.split(rendered)):
             if i % 2:  # split() puts each separator (a template's special token) at an odd index
@@ -214,7 +269,40 @@ def _family_template(path: Path) -> str:
     """The template of a tokenizer directory that names none: its model family's (config.json's model_type)."""
     model = path / "config.json"
     family = json.loads(model.read_text()).get("model_type") if model.exists() else None
-    return (TEMPLATES / "kimi_linear.jinja").read_text() if family == "kimi_linear" else CHAT_TEMPLATE
+    return (TEMPLATES / FAMILY_TEMPLATES[family]).read_text() if family in FAMILY_TEMPLATES else CHAT_TEMPLATE
+
+
+def _object_arguments(message: dict, index: int) -> dict:
+    """`message` with each call's JSON-string `arguments` as the object it holds ("" as {}), for templates that
+    iterate them; ValueError naming the call when it holds no object."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        args = fn.get("arguments") if isinstance(fn, Mapping) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise ValueError(f"messages.{index}.tool_calls.{j}.function.arguments: not a JSON object, which "
+                                 "this chat template needs")
+            call = {**call, "function": {**fn, "arguments": args}}
+        out.append(call)
+    return {**message, "tool_calls": out}
+
+
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads and never sets itself (messages, tools, enable_thinking, ...); its
+    functions (raise_exception) left out."""
+    import jinja2.meta
+
+    tree = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    stored = {n.name for n in tree.find_all(jinja2.nodes.Name) if n.ctx in ("store", "param")}
+    return frozenset(jinja2.meta.find_undeclared_variables(tree) - stored - {"raise_exception"})
 
 
 def _strings(x: object) -> Iterator[str]:
@@ -231,11 +319,12 @@ def _strings(x: object) -> Iterator[str]:
 
 
 def _map_strings(x, f):
-    """`x` with `f` applied to every string value inside nested dicts and lists (keys kept)."""
+    """`x` with `f` applied to every string inside nested dicts and lists, keys too (templates render some: a
+    schema's property names, Qwen3.5's argument names)."""
     if isinstance(x, str):
         return f(x)
     if isinstance(x, Mapping):
-        return {k: _map_strings(v, f) for k, v in x.items()}
+        return {_map_strings(k, f): _map_strings(v, f) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_map_strings(v, f) for v in x]
     return x

@@ -21,6 +21,7 @@ from app.models.layers import Experts, RMSNorm, RMSNormGated
 
 # (median, IQR low, IQR high) of the per-token decay alpha = exp(g), paper section 3.3
 DECAY_PROFILES = {"kimi_linear": (0.471, 0.170, 0.774), "qwen3_next": (0.969, 0.894, 0.997)}
+DECAY_PROFILES["qwen3_5"] = DECAY_PROFILES["qwen3_next"]  # the same Gated DeltaNet
 
 
 def init_weights(model: HybridForCausalLM, std: float = 0.02, seed: int = 0) -> None:

@@ -136,3 +136,10 @@ async def tokenize(client: httpx.AsyncClient, url: str, text: str) -> list[int]:
     """llama-server's /tokenize of `text` (its GGUF vocabulary and pre-tokenizer)."""
     r = await client.post(f"{url}/tokenize", json={"content": text})
     return list(r.json()["tokens"])
+
+
+def matches(ours: list[int], theirs: list[int], n: int) -> tuple[int, int]:
+    """(positions of n where both have the same id or both have ended, length of the common prefix)."""
+    same = sum((ours[i] if i < len(ours) else None) == (theirs[i] if i < len(theirs) else None) for i in range(n))
+    prefix = next((i for i in range(min(len(ours), len(theirs))) if ours[i] != theirs[i]), min(len(ours), len(theirs)))
+    return same, prefix

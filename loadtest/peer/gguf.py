@@ -14,6 +14,8 @@ pre-tokenizer, and deletes the copy. What the copy changes, each the same functi
   `SHARED_WIDTH` whose down projection is zero (it adds exactly 0). llama-server then runs its MoE path
   (mul_mat_id) for what is a dense MLP: tests/loadtest/test_peer.py checks that transformers computes the same
   logits on both checkpoints.
+- Qwen3.5 (`text_only`, the random checkpoints of loadtest/peer/agreement.py): the vision-tower and MTP tensors
+  dropped; llama.cpp converts the vision tower into a separate mmproj file, and this comparison is of text.
 - the tokenizer: the converter does not know the zoo tokenizer's pre-tokenizer hash; its split rules are those
   of the converter's `starcoder` entry (`PRE_TOKENIZER`), with which llama-server's /tokenize gives our ids
   (bench_peer.py checks it on every run).
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.models.qwen3_5 import NOT_TEXT
 from loadtest.peer import llama
 
 PRE_TOKENIZER = "starcoder"
@@ -104,9 +107,15 @@ def moe_from_dense(config: dict, tensors: dict[str, torch.Tensor],
     return config, out
 
 
-PREPARE = {"kimi_linear": kimi_for_llama, "qwen3_next": moe_from_dense}
-# converter flags by model_type: its Qwen3-Next asserts that the checkpoint has MTP layers unless told there are none
-CONVERT_FLAGS = {"qwen3_next": ("--no-mtp",)}
+def text_only(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A Qwen3.5 checkpoint without its vision-tower and MTP tensors (a text GGUF); the same text model."""
+    return config, {k: t for k, t in tensors.items() if not k.startswith(NOT_TEXT)}
+
+
+PREPARE = {"kimi_linear": kimi_for_llama, "qwen3_next": moe_from_dense, "qwen3_5": text_only, "qwen3_5_moe": text_only}
+# converter flags by model_type: its Qwen3-Next and Qwen3.5 assert that the checkpoint has MTP layers unless told
+# there are none
+CONVERT_FLAGS = {"qwen3_next": ("--no-mtp",), "qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 
 
 def prepare(model_dir: str | Path, out_dir: str | Path) -> Path:

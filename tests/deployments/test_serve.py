@@ -113,7 +113,9 @@ def server(cluster):
         # key_credit: see test_requests_sharing_a_prompt_cache_key_land_on_one_replica (only keyed requests feel it)
         "router": {"stats_period_s": 0.5, "key_credit": KEY_CREDIT},
         "controller": {"enabled": False, "window_s": 0.5},
-        "api": {"api_key": KEY, "max_prompt_tokens": 2048, "max_tokens_limit": LONG},
+        # no queue deadline within a test's reach: what these tests check must not depend on how loaded the machine
+        # is (the deadline itself: tests/deployments/test_error_bodies.py)
+        "api": {"api_key": KEY, "max_prompt_tokens": 2048, "max_tokens_limit": LONG, "queue_timeout_s": 900.0},
     }):
         yield cluster
 
@@ -514,7 +516,7 @@ def test_controller_moves_off_dense_under_pressure(cluster, server):
         moved = state["current_label"] != "dense"
     assert moved, state
     promoted = [d for d in state["decisions"] if d["decision"] == "promote"]
-    assert state["window"] <= 60 and promoted
+    assert promoted  # (how many windows that took depends on the machine's load: not asserted)
     assert promoted[0]["trial_ttft"] < promoted[0]["control_ttft"]  # promoted because TTFT improved, live
 
 

@@ -50,12 +50,17 @@ def _ask(engine: Engine, prompt: list[int], salt: str | None = None):
 
 
 def test_a_restarted_engine_resumes_from_the_disk_tier_as_cold(zoo, tmp_path, secret):
-    prompts = _prompts(zoo[1], 4)
-    first = _engine(zoo, tmp_path)
+    assert_restart_resumes(zoo, tmp_path, _prompts(zoo[1], 4))
+
+
+def assert_restart_resumes(zoo, tmp_path, prompts: list[list[int]], **knobs) -> None:
+    """Prompts served by one engine (one checkpoint slot, a small host tier: the rest goes to disk) resume in a
+    restarted engine on the same directory and secret with the cold answer, and only under their own salt."""
+    first = _engine(zoo, tmp_path, **knobs)
     cold = [_ask(first, p, "tenant-a") for p in prompts]
     first.cache.disk.flush()
     assert first.snapshot()["disk_tier"]["writes"] >= 1
-    again = _engine(zoo, tmp_path)  # a restart: empty pools and host tier, the same directory and secret
+    again = _engine(zoo, tmp_path, **knobs)  # a restart: empty pools and host tier, the same directory and secret
     assert _ask(again, prompts[0], "tenant-b").cached_tokens == 0  # another salt finds nothing
     warm = _ask(again, prompts[0], "tenant-a")
     assert warm.cached_tokens == len(prompts[0]) - 1 and warm.output_ids == cold[0].output_ids

@@ -46,8 +46,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                          ids=["dense", "dasc", "int8"])
 def test_a_round_trip_through_the_tier_is_bit_exact(zoo, codec):
     model, tok = zoo
-    engine = Engine(model, tok, EngineConfig(checkpoint_slots=4, **BASE, **codec))
-    prompt = _prompts(tok, 1)[0]
+    assert_round_trip(Engine(model, tok, EngineConfig(checkpoint_slots=4, **BASE, **codec)), _prompts(tok, 1)[0])
+
+
+def assert_round_trip(engine: Engine, prompt: list[int]) -> None:
+    """Serve `prompt`, demote its checkpoint with its KV to the host tier and promote both into new slots: the
+    promoted checkpoint and KV are the demoted ones bit for bit."""
     _ask(engine, prompt)
     node = next(n for n in engine.cache.tree.nodes() if n.checkpoint is not None)
     kv = engine.cache.tree.path_kv(node)

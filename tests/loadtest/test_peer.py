@@ -73,6 +73,22 @@ def test_kda_tiny_prepared_for_llama_is_the_same_model(tmp_path):
     torch.testing.assert_close(_ours(prepared, ids), _ours(zoo, ids), rtol=0, atol=0)
 
 
+def test_a_qwen3_5_checkpoint_prepared_for_llama_is_its_text_model(tmp_path):
+    """The random Qwen3.5 checkpoints of the agreement run lose their vision and MTP tensors, nothing else."""
+    from app.models.qwen3_5 import NOT_TEXT
+    from loadtest.peer import agreement
+    from loadtest.synth_model import qwen3_5_config, write
+
+    shape = {**agreement.SYNTH["qwen3.5-moe-random"], "hidden": 32, "layers": 4, "head_dim": 16, "linear_head_dim": 16}
+    src, _ = write(tmp_path / "src", qwen3_5_config(**shape))
+    out = gguf.prepare(src, tmp_path / "out")
+    before, after = (set(gguf.load_file(d / "model.safetensors")) for d in (src, out))
+    assert {n for n in before if n.startswith(NOT_TEXT)} == before - after and after
+    ids = torch.tensor([Tokenizer.from_dir(out).encode(PROMPT_TEXT)])
+    with torch.no_grad():
+        assert torch.equal(load_model(src).forward_train(ids), load_model(out).forward_train(ids))
+
+
 def test_kda_tiny_config_hub_keys_say_what_layer_types_say():
     d = json.loads((ZOO_DIR / "kda-tiny" / "config.json").read_text())
     hub = {k: v for k, v in d.items() if k not in ("layer_types", "mlp_layer_types")}

@@ -1,6 +1,10 @@
-"""Synthetic tokenizers of the two families' chat formats: the zoo's BPE vocabulary plus the special tokens of
-Qwen3-Next or Kimi-Linear, with the vendored template (app/models/templates/), written as a tokenizer directory
-that both our `Tokenizer` and transformers' `AutoTokenizer` load."""
+"""Synthetic tokenizers of the families' chat formats: the zoo's BPE vocabulary plus the special tokens of
+Qwen3-Next, Kimi-Linear or Qwen3.5, with the vendored template (app/models/templates/), written as a tokenizer
+directory that both our `Tokenizer` and transformers' `AutoTokenizer` load.
+
+Qwen3.5's added tokens are its hub tokenizer_config.json's, in their order (ids 248044-248069 there; the zoo's
+first three ids are its first three): those through `<|video_pad|>` special, the tool, FIM and think markers not
+(as Qwen3's); eos `<|im_end|>`, pad `<|endoftext|>`, no bos."""
 
 from __future__ import annotations
 
@@ -22,10 +26,19 @@ FAMILIES = {
                      ("<|tool_calls_section_end|>", True), ("<|tool_call_begin|>", True),
                      ("<|tool_call_argument_begin|>", True), ("<|tool_call_end|>", True)], "[EOS]",
                     "kimi_linear.jinja"),
+    "qwen3_5": ([(t, True) for t in ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+                                     "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                                     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")] +
+                [(t, False) for t in ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+                                      "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                                      "<tool_response>", "</tool_response>", "<think>", "</think>")],
+                "<|im_end|>", "qwen3_5.jinja"),
 }
+CONFIGS = {"qwen3_5": {"bos_token": None, "pad_token": "<|endoftext|>"}}  # tokenizer_config.json beyond the zoo's
 
 
-def write_family_tokenizer(family: str, out: Path) -> Path:
+def write_family_tokenizer(family: str, out: Path, jinja_file: bool = False) -> Path:
+    """`jinja_file`: the template as chat_template.jinja beside the config (newer hub repositories), not in it."""
     extra, eos, template = FAMILIES[family]
     backend = Backend.from_file(str(ZOO_DIR / "_tokenizer" / "tokenizer.json"))
     for content, special in extra:
@@ -37,7 +50,10 @@ def write_family_tokenizer(family: str, out: Path) -> Path:
     decoder = {str(i): {"content": t.content, "lstrip": False, "rstrip": False, "normalized": False,
                         "single_word": False, "special": t.special}
                for i, t in sorted(backend.get_added_tokens_decoder().items())}
-    config.update(added_tokens_decoder=decoder, eos_token=eos, chat_template=(TEMPLATES / template).read_text())
+    config.update(added_tokens_decoder=decoder, eos_token=eos, chat_template=(TEMPLATES / template).read_text(),
+                  **CONFIGS.get(family, {}))
+    if jinja_file:
+        (out / "chat_template.jinja").write_text(config.pop("chat_template"))
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return out
 
