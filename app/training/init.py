@@ -17,7 +17,9 @@ from torch import nn
 
 from app.dasc.horizons import STATIC_A
 from app.models.hybrid import HybridForCausalLM
+from app.models.kimi_linear import KimiTopkRouter
 from app.models.layers import Experts, RMSNorm, RMSNormGated
+from app.models.qwen3_next import TopKRouter
 
 # (median, IQR low, IQR high) of the per-token decay alpha = exp(g), paper section 3.3
 DECAY_PROFILES = {"kimi_linear": (0.471, 0.170, 0.774), "qwen3_next": (0.969, 0.894, 0.997)}
@@ -25,7 +27,9 @@ DECAY_PROFILES["qwen3_5"] = DECAY_PROFILES["qwen3_next"]  # the same Gated Delta
 
 
 def init_weights(model: HybridForCausalLM, std: float = 0.02, seed: int = 0) -> None:
-    """Normal(0, std) linear and embedding weights, identity norms, scaled residual output projections."""
+    """Normal(0, std) linear and embedding weights, identity norms, scaled residual output projections, and routers
+    whose logits spread over a few units (std 4 / sqrt(hidden): a confident choice, as trained routers make; one
+    left at zero would score every expert alike, its top-k ties broken by index)."""
     gen = torch.Generator().manual_seed(seed)
     n_layers = len(model.model.layers)
     with torch.no_grad():
@@ -40,6 +44,9 @@ def init_weights(model: HybridForCausalLM, std: float = 0.02, seed: int = 0) -> 
                 module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) * std)
                 scale = std / math.sqrt(2 * n_layers)
                 module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * scale)
+            elif isinstance(module, (TopKRouter, KimiTopkRouter)):
+                w = module.weight
+                w.copy_(torch.randn(w.shape, generator=gen) * 4 / math.sqrt(w.shape[1]))
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.unit_offset else 1.0)
             elif isinstance(module, RMSNormGated):

@@ -23,7 +23,7 @@ from loadtest.serve_harness import free_port
 from loadtest.synth_model import qwen3_5_config, write
 
 PROMPTS, PROMPT_LEN, TOKENS = 5, 64, 32
-RECIPE = "1"  # part of the directory name: change it when a SYNTH shape or the writer changes
+RECIPE = "3"  # part of the directory name: change it when a SYNTH shape or the writer changes
 # hidden 256, 8 layers (6 GDN, 2 gated attention), 4 heads of 64 on 2 KV heads, GDN 2 key x 4 value heads of 64
 _SHAPE = dict(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, linear_k_heads=2, linear_v_heads=4,
               linear_head_dim=64, intermediate=512)
