@@ -182,6 +182,8 @@ class ApiArgs(_Strict):
                                          "grammar within this (400 beyond)")
     recall_tokens: int = Field(1 << 22, ge=0, description="ids of recent chat answers kept, so that a re-sent "
                                "answer resumes from the ids generated (0: off; docs/serving.md, Tool calls)")
+    warm_next_turn: bool = Field(True, description="under a thinking chat template, also store the conversation "
+                                 "as the next turn re-sends it (docs/serving.md, Thinking turns)")
     max_stored_responses: int = Field(10_000, ge=0, description="Responses API: stored responses at most (the "
                                       "oldest go first)")
     max_stored_response_bytes: int = Field(256 << 20, ge=0, description="Responses API: bytes of stored ids and "

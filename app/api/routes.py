@@ -10,7 +10,9 @@ Request bodies are in app/api/schemas.py; caps an operator sets are checked here
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -26,7 +28,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api import limits, reasoning, responses, tool_answers, tools
+from app.api import limits, reasoning, resend, responses, tool_answers, tools
 from app.api.answers import chat_chunks, chat_tool_chunks, collect, completion_chunks, fingerprint, first_output, sse
 from app.api.errors import REQUEST_ID, ApiError, error_response, openapi_responses, public_reason, strip_422
 from app.api.guards import Guard, RequestId
@@ -98,6 +100,8 @@ class ApiSettings:
     max_tool_calls: int = 16  # calls in one answer (parallel_tool_calls: false is 1)
     max_grammar_compile_s: float = 5.0  # the tools' parameter schemas compile within this, or the request is a 400
     recall_tokens: int = 1 << 22  # ids of recent chat answers kept so a re-sent answer keeps them (0: off)
+    # a thinking template's chat turn also stores the conversation as its next turn re-sends it (app/api/resend.py)
+    warm_next_turn: bool = True
     max_stored_responses: int = 10_000  # Responses API: stored responses at most (the oldest go first)
     max_stored_response_bytes: int = 256 << 20  # ... and their ids and text at most
     stored_response_age_s: float = 24 * 3600.0  # ... kept this long at most
@@ -187,6 +191,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                                any(o.compressed_hit for o in final.values()))}
 
     thinking = reasoning.thinks(tok.chat_template)
+    warms = thinking and settings.warm_next_turn
 
     @app.post("/v1/chat/completions", responses=GENERATION)
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -210,13 +215,22 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         rid = _request_id("chatcmpl", request)
         if reads_calls:
             return await _chat_tools(body, plan, prompt, params, rid, settings, tok, split)
+        # a thinking template's next turn leaves this prompt early and re-sends the answer without its reasoning
+        turn = _Turn(body, prompt, split) if warms and params.n == 1 else None
+        if turn is not None and turn.shared is not None:
+            params = dataclasses.replace(params, checkpoint_at=(turn.shared,))
         outputs = _start(backend, [prompt], params, settings, body.stream, RouteHint(body.prompt_cache_key))
+
+        def finished(ids: list[list[int]]) -> None:
+            _remember(body, prompt, ids)
+            if turn is not None:
+                turn.warm(ids[0])
+
         if body.stream:
-            return sse(chat_chunks(await first_output(outputs), body, rid, settings, tok, lambda ids: _remember(
-                body, prompt, ids), split))
+            return sse(chat_chunks(await first_output(outputs), body, rid, settings, tok, finished, split))
         final, entries, _ = await collect(outputs, params.logprobs is not None)
         outs = [out for _, out in sorted(final.items())]
-        _remember(body, prompt, [o.output_ids for o in outs])
+        finished([o.output_ids for o in outs])
         choices = [{"index": o.index, "message": _message(o.text, split),
                     "logprobs": None if params.logprobs is None else chat_logprobs(tok, *zip(*entries[(0, o.index)])),
                     "finish_reason": o.finish_reason} for o in outs]
@@ -224,6 +238,33 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 "system_fingerprint": fingerprint(outs[0]), "choices": choices,
                 "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens,
                                any(o.compressed_hit for o in outs))}
+
+    warming: set[asyncio.Task] = set()
+
+    class _Turn:
+        """A plain chat answer under a thinking template (app/api/resend.py): where the next turn leaves the prompt
+        (`shared`), and the warm request that stores the conversation as the next turn re-sends it."""
+
+        def __init__(self, body: ChatCompletionRequest, prompt: list[int], split, tools=None) -> None:
+            self.body, self.prompt, self.split, self.tools = body, prompt, split, tools
+            self.messages = [m.template_dict() for m in body.messages]
+            self.kwargs = limits.template_kwargs(body, tok)
+            self.shared = resend.shared_len(tok, prompt, self.messages, self.kwargs, tools)
+
+        def warm(self, output: list[int], message: dict | None = None) -> None:
+            """After the answer `output` (as `message` when its calls were parsed; else read from its text)."""
+            if message is None:
+                ended = bool(output) and output[-1] in tok.stop_token_ids  # the end token is no part of the answer
+                message = _message(tok.decode(output[:-1] if ended else output), self.split)
+            message = {k: v for k, v in message.items() if k != "reasoning_content"}  # as clients re-send it
+            ids = resend.next_prompt(tok, self.prompt, output, self.messages, message, self.kwargs, self.tools)
+            if ids is None or len(ids) > backend.max_model_len - 1:
+                return
+            params = SamplingParams(max_tokens=1, temperature=0.0, cache_salt=self.body.cache_salt, warm=True)
+            task = asyncio.get_running_loop().create_task(_drain(_start(
+                backend, [ids], params, settings, False, RouteHint(self.body.prompt_cache_key))))
+            warming.add(task)
+            task.add_done_callback(warming.discard)
 
     def _remember(body: ChatCompletionRequest, prompt: list[int], outputs: list[list[int]]) -> None:
         """Keep the answers for the turn that re-sends one of them (app/api/recall.py)."""
@@ -234,12 +275,17 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
 
     async def _chat_tools(body, plan, prompt, params, rid, settings, tok, split):
         stops = tuple(body.stop or ()) if not plan.forced else ()
+        turn = _Turn(body, prompt, split, plan.tools) if warms and params.n == 1 else None
+        if turn is not None and turn.shared is not None:
+            params = dataclasses.replace(params, checkpoint_at=(turn.shared,))
         outputs = _start(backend, [prompt], params, settings, True, RouteHint(body.prompt_cache_key))
-        if body.stream:
+        if body.stream:  # (a streamed answer's calls are not parsed again for its warm request: none is sent)
             return sse(chat_tool_chunks(await first_output(outputs), body, plan, stops, params, rid, settings, tok,
                                            lambda ids: _remember(body, prompt, ids), split))
         choices, head = await tool_answers.collect(aiter(outputs), plan, stops, params.n, tok, split)
         _remember(body, prompt, [c.ids for _, c in sorted(choices.items())])
+        if turn is not None:
+            turn.warm(choices[0].ids, choices[0].message())
         answers = [{"index": j, "message": c.message(), "finish_reason": c.finish_reason,
                     "logprobs": chat_logprobs(tok, *zip(*c.entries)) if params.logprobs is not None else None}
                    for j, c in sorted(choices.items())]
@@ -249,6 +295,15 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                                head.compressed_hit)}
 
     return app
+
+
+async def _drain(outputs: Outputs) -> None:
+    """Run a warm request to its end; what it answers, or how it fails (an overloaded engine refuses it), is dropped."""
+    try:
+        async for _ in outputs:
+            pass
+    except Exception as e:  # noqa: BLE001 - a warm request is best effort
+        log.debug("warm request dropped: %s", public_reason(e))
 
 
 def _message(text: str, split) -> dict:

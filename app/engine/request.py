@@ -74,6 +74,12 @@ class SamplingParams:
     # generation-end checkpoint is stored even where the prompt end's lies fewer than checkpoint_min_gap tokens
     # behind, so the next turn resumes exactly where this one ended
     output_resumed: bool = False
+    # prompt lengths where this request also stores a checkpoint: where the next turn's prompt leaves this one's
+    # (a thinking template's generation prompt opens a block the turn's history form does not have)
+    checkpoint_at: tuple[int, ...] = ()
+    # sent by the server itself, to store the prompt-end checkpoint the next turn resumes from (a conversation as the
+    # next turn re-sends it); its one output token is dropped and it stays out of the request telemetry
+    warm: bool = False
 
     @property
     def constrained(self) -> bool:

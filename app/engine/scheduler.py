@@ -243,7 +243,8 @@ class Scheduler:
         the KV match ends, and a stateless fork on the matched path; each unless the loaded checkpoint is
         fewer than `checkpoint_min_gap` tokens above it), the prompt end (admission permitting), a lookback
         checkpoint at least `lookback` tokens before the prompt end (so that the next prompt sharing all of this
-        one but its last tokens, a new few-shot header's next query, resumes there) and, for n > 1,
+        one but its last tokens, a new few-shot header's next query, resumes there), the request's own
+        `checkpoint_at` positions (where its next turn's prompt leaves this one: "resend") and, for n > 1,
         the fork point of the request's own samples. A prompt end fewer than `checkpoint_min_gap` tokens above
         the checkpoint the request loaded or the last cut before it is not stored: a repeat replays those few
         tokens from there (the prompts that share a header and differ in a short query do not each fill a slot
@@ -263,10 +264,14 @@ class Scheduler:
             salt = seq.params.cache_salt
             at = prompt_end - self.cfg.tail  # where a repeat of this prompt can load it (see `_admit`)
             below = max([seq.num_computed, *(p for p in cuts if p <= at)])  # loaded, or cut last before `at`
-            gap = self.cfg.checkpoint_min_gap if below else 0
+            gap = self.cfg.checkpoint_min_gap if below and not seq.params.warm else 0
+            # a warm request is sent for its prompt end: stored however close, whatever the admission policy
             if at > below + max(0, gap - 1) and \
-                    self.cache.admit_prompt_end(seq.prompt_ids[:at], salt):
+                    (seq.params.warm or self.cache.admit_prompt_end(seq.prompt_ids[:at], salt)):
                 cuts[at] = "prompt_end"
+            for pos in seq.params.checkpoint_at:  # where the next turn leaves this prompt (`SamplingParams`)
+                if below < pos < at and self.cache.admit_prompt_end(seq.prompt_ids[:pos], salt):
+                    cuts.setdefault(pos, "resend")
             if self.cfg.lookback:  # where a prompt that differs only in its last lookback tokens resumes
                 align = self.cfg.lookback_align
                 pos = (at - self.cfg.lookback) // align * align

@@ -49,6 +49,8 @@ class Telemetry:
         self.spec_verifies = 0  # verify pieces
         self.spec_accepted_hist: dict[int, int] = {}  # accepted drafts per verify piece -> pieces
         self.step_cost = StepCost()  # step time against tokens per step (what a router predicts TTFT from)
+        self.warm_requests = 0  # the server's own requests that store a next turn's checkpoint (`SamplingParams.warm`)
+        self.warm_tokens = 0  # the prompt tokens they computed
 
     def on_verify(self, drafted: int, accepted: int) -> None:
         self.spec_drafted += drafted
@@ -57,7 +59,11 @@ class Telemetry:
         self.spec_accepted_hist[accepted] = self.spec_accepted_hist.get(accepted, 0) + 1
 
     def on_admit(self, seq: Sequence) -> None:
-        """Count a sequence's prompt and hit once, at its first admission."""
+        """Count a sequence's prompt and hit once, at its first admission (a warm request apart: `warm`)."""
+        if seq.params.warm:
+            self.warm_requests += 1
+            self.warm_tokens += seq.prompt_len - seq.cached_len
+            return
         self.prompt_tokens += seq.prompt_len
         self.cached_tokens += seq.cached_len
         self.replayed_tokens += seq.replayed
@@ -71,7 +77,9 @@ class Telemetry:
         self.hits += seq.cached_len > 0
         self.compressed_hits += seq.compressed_hit
 
-    def on_finish(self, seq: Sequence) -> RequestStats:
+    def on_finish(self, seq: Sequence) -> RequestStats | None:
+        if seq.params.warm:
+            return None
         ttft = (seq.first_token_time or seq.finish_time) - seq.arrival
         n = len(seq.output_ids)
         tpot = (seq.finish_time - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time else None
@@ -89,6 +97,7 @@ class Telemetry:
         c = cache.counters
         return {
             "requests_finished": self.finished,
+            "warm_requests": self.warm_requests, "warm_tokens": self.warm_tokens,
             "sequences_admitted": self.admitted,
             "sequences_hit": self.hits,
             "sequences_compressed_hit": self.compressed_hits,

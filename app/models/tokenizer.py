@@ -161,16 +161,19 @@ class Tokenizer:
                                  tools: Sequence[Mapping[str, object]] | None = None,
                                  **template_kwargs: object) -> list[int]:
         """The ids of `messages + [assistant_message]` as the next turn re-sends them: the assistant turn in the
-        form the template gives a past turn (Qwen3.5's drops its reasoning), up to and including the `<|im_end|>`
-        that closes it and the whitespace the template writes after it. These ids start the `encode_chat` of the
-        conversation with any user message after it.
+        form the template gives it then (Qwen3.5's drops the reasoning of a turn a user message follows), up to and
+        including the `<|im_end|>` that closes it and the whitespace the template writes after it. These ids start
+        the `encode_chat` of the conversation with any user message after it or, when the assistant message holds
+        tool calls, with the tool results after it.
 
-        How: the conversation is rendered with a probe user message after the answer (no generation prompt), and
-        cut where the text between the answer's `<|im_end|>` and the probe's turn ends; ValueError if the template
-        closes the answer with no `<|im_end|>`."""
+        How: the conversation is rendered with a probe message after the answer (a user message, or the first
+        call's tool result; no generation prompt), and cut where the text between the answer's `<|im_end|>` and
+        the probe's turn ends; ValueError if the template closes the answer with no `<|im_end|>`."""
         probe = _unused_char(list(_strings([messages, assistant_message, tools])))
-        pieces = self.chat_pieces([*messages, assistant_message, {"role": "user", "content": probe}], False, tools,
-                                  **template_kwargs)
+        calls = assistant_message.get("tool_calls") or ()
+        after = {"role": "tool", "tool_call_id": calls[0].get("id", ""), "content": probe} if calls else \
+            {"role": "user", "content": probe}
+        pieces = self.chat_pieces([*messages, assistant_message, after], False, tools, **template_kwargs)
         at = next(i for i, p in enumerate(pieces) if isinstance(p, str) and probe in p)
         end = self._backend.token_to_id(IM_END)
         closes = [i for i in range(at) if pieces[i] == end]
