@@ -16,7 +16,8 @@ of the agent loop warm and cold and their ratio, Responses' mean TTFT against wa
 first), the response store's mean get and put time (/metrics: `dasc_response_store_seconds`), and the
 re-tokenization drift: of the re-sent answers whose prompt resumed from the ids generated (the API's recall
 memory), those whose plain re-encoding would have differed, and the tokens that would have cost. Results:
-loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC.
+loadtest/results/bench_agentic_cpu.json; --out DOC replaces the block in DOC. `--thinking` runs only the agents
+under Qwen3.5's thinking template, with the next-turn checkpoints on and off (loadtest/agentic_thinking.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections import defaultdict
 
 import httpx
 
+from loadtest import agentic_thinking
 from loadtest.agent_responses import agentic_responses
 from loadtest.common import start_run, table
 from loadtest.sections import knob_variant, publish
@@ -119,9 +121,17 @@ def main(argv=None) -> None:
     p.add_argument("--budget-mb", type=float, default=8.0, help="checkpoint pool per replica")
     p.add_argument("--nr-tail", type=int, default=0, help="tokens before a checkpoint an nr load may not serve")
     p.add_argument("--engine", type=json.loads, default=None, metavar="JSON", help="engine knobs (own variant)")
+    p.add_argument("--thinking", action="store_true", help="only the thinking-template run: kda-tiny under Qwen3.5's "
+                   "template, next-turn checkpoints on and off (loadtest/agentic_thinking.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     record = start_run("bench_agentic", {k: v for k, v in vars(args).items() if k != "out"}, argv)
+    if args.thinking:
+        with cluster(num_cpus=4) as url:
+            res = agentic_thinking.run(url, app_args(args), args)
+        publish(record, f"{args.model}/thinking", res, agentic_thinking.markdown(res, args.seeds), args.out,
+                "Agentic: every turn resumes where the last ended", "Thinking turns: the history as re-sent")
+        return
     with cluster(num_cpus=4) as url, deployed(url, app_args(args)):
         agentic(url, args.model, 0, 4, (1, 1), cold=True)  # warm-up: each replica imports xgrammar, compiles the tools
         rows = [run_seed(url, seed, args) for seed in args.seeds]

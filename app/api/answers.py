@@ -141,7 +141,8 @@ async def chat_chunks(outputs, body, rid, settings, tok, remember, split=None) -
 async def chat_tool_chunks(outputs, body, plan, stops, params, rid, settings, tok, remember,
                            split=None) -> AsyncIterator[dict]:
     """A tool-reading chat's chunks: per choice, the role first, then its reasoning (with `split`), content and
-    tool-call deltas; the finish_reason (and logprobs) on the chunk of the output that carried them."""
+    tool-call deltas; the finish_reason (and logprobs) on the chunk of the output that carried them. At the end
+    `remember(ids, messages)` gets each choice's output ids and assembled message."""
     created, choices, heads = now(), {}, []
 
     def chunk(index: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
@@ -158,7 +159,8 @@ async def chat_tool_chunks(outputs, body, plan, stops, params, rid, settings, to
             yield chunk(j, delta, None, lp if k == 0 else None)
         if finish is not None or (lp and not deltas):
             yield chunk(j, {}, finish, None if deltas else lp)
-    remember([c.ids for _, c in sorted(choices.items())])
+    ordered = [c for _, c in sorted(choices.items())]
+    remember([c.ids for c in ordered], [c.message() for c in ordered])
     if body.include_usage and heads:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name,
                "system_fingerprint": fingerprint(heads[0]), "choices": [],

@@ -199,6 +199,7 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         plan = await tools.plan(body, tok, settings)
         prompt = limits.chat_prompt(body, tok, settings, tools=plan and plan.tools, recall=recall)
         limits.check_prompt(prompt, settings, tok)
+        overtake(body.cache_salt, prompt)
         opened = thinking and reasoning.opens_reasoning(tok.decode(prompt))
         if plan is not None and opened:
             plan = tools.after_reasoning(plan, tok)
@@ -239,7 +240,14 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 "usage": usage(outs[0].prompt_tokens, sum(len(o.output_ids) for o in outs), outs[0].cached_tokens,
                                any(o.compressed_hit for o in outs))}
 
-    warming: set[asyncio.Task] = set()
+    warming: dict[asyncio.Task, tuple[str | None, list[int]]] = {}  # a warm request's task -> (salt, prompt)
+
+    def overtake(salt: str | None, prompt: list[int]) -> None:
+        """Cancel the warm requests a new prompt overtakes (it extends theirs): it computes what they would store
+        on its own way, and both at once would compute it twice."""
+        for task, (their_salt, ids) in list(warming.items()):
+            if their_salt == salt and len(prompt) > len(ids) and prompt[: len(ids)] == ids:
+                task.cancel()
 
     class _Turn:
         """A plain chat answer under a thinking template (app/api/resend.py): where the next turn leaves the prompt
@@ -257,14 +265,15 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
                 ended = bool(output) and output[-1] in tok.stop_token_ids  # the end token is no part of the answer
                 message = _message(tok.decode(output[:-1] if ended else output), self.split)
             message = {k: v for k, v in message.items() if k != "reasoning_content"}  # as clients re-send it
-            ids = resend.next_prompt(tok, self.prompt, output, self.messages, message, self.kwargs, self.tools)
+            ids = resend.next_prompt(tok, self.prompt, output, self.messages, message, self.kwargs, self.tools,
+                                     self.shared)
             if ids is None or len(ids) > backend.max_model_len - 1:
                 return
             params = SamplingParams(max_tokens=1, temperature=0.0, cache_salt=self.body.cache_salt, warm=True)
             task = asyncio.get_running_loop().create_task(_drain(_start(
                 backend, [ids], params, settings, False, RouteHint(self.body.prompt_cache_key))))
-            warming.add(task)
-            task.add_done_callback(warming.discard)
+            warming[task] = (self.body.cache_salt, ids)
+            task.add_done_callback(lambda t: warming.pop(t, None))
 
     def _remember(body: ChatCompletionRequest, prompt: list[int], outputs: list[list[int]]) -> None:
         """Keep the answers for the turn that re-sends one of them (app/api/recall.py)."""
@@ -279,13 +288,18 @@ def build_api(backend: Backend, settings: ApiSettings) -> FastAPI:
         if turn is not None and turn.shared is not None:
             params = dataclasses.replace(params, checkpoint_at=(turn.shared,))
         outputs = _start(backend, [prompt], params, settings, True, RouteHint(body.prompt_cache_key))
-        if body.stream:  # (a streamed answer's calls are not parsed again for its warm request: none is sent)
+
+        def finished(ids: list[list[int]], messages: list[dict]) -> None:
+            _remember(body, prompt, ids)
+            if turn is not None:
+                turn.warm(ids[0], messages[0])
+
+        if body.stream:
             return sse(chat_tool_chunks(await first_output(outputs), body, plan, stops, params, rid, settings, tok,
-                                           lambda ids: _remember(body, prompt, ids), split))
+                                           finished, split))
         choices, head = await tool_answers.collect(aiter(outputs), plan, stops, params.n, tok, split)
-        _remember(body, prompt, [c.ids for _, c in sorted(choices.items())])
-        if turn is not None:
-            turn.warm(choices[0].ids, choices[0].message())
+        ordered = [c for _, c in sorted(choices.items())]
+        finished([c.ids for c in ordered], [c.message() for c in ordered])
         answers = [{"index": j, "message": c.message(), "finish_reason": c.finish_reason,
                     "logprobs": chat_logprobs(tok, *zip(*c.entries)) if params.logprobs is not None else None}
                    for j, c in sorted(choices.items())]

@@ -1,4 +1,5 @@
-"""Qwen3.5's chat format served: kda-tiny's weights under the synthetic Qwen3.5 tokenizer (tests/models/families.py),
+"""Qwen3.5's chat format served: kda-tiny's weights under the synthetic Qwen3.5 tokenizer
+(loadtest/family_checkpoints.py),
 through the official `openai` client and raw SSE. The reasoning comes back as `reasoning_content` (streamed or
 not, with and without tools), `chat_template_kwargs.enable_thinking` turns it off, forced XML calls follow the
 grammar (after the reasoning when the prompt opened it), calls the model writes parse, and an agent's next turn
@@ -20,9 +21,9 @@ from app.engine.grammar import JsonGrammars
 from app.engine.tool_grammar import ToolCallState
 from app.models.loader import load_model
 from app.models.tokenizer import Tokenizer
+from loadtest.family_checkpoints import write_family_checkpoint
 from tests.api.common import AUTH, KEY, Scripted, client, openai_client, sse_events
 from tests.api.test_tools import MESSAGES, SCHEMAS, TOOLS
-from tests.models.families import write_family_checkpoint
 
 pytestmark = pytest.mark.anyio
 SETTINGS = ApiSettings(model_name="kda-tiny", api_key=KEY, max_tokens_limit=256, max_tools=4)

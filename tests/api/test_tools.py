@@ -187,7 +187,7 @@ async def test_strict_auto_writes_the_call_a_model_opens_whole(tmp_path):
     from app.engine.engine import Engine
     from app.models.loader import load_model
     from app.models.tokenizer import Tokenizer
-    from tests.models.families import write_family_checkpoint
+    from loadtest.family_checkpoints import write_family_checkpoint
 
     d = write_family_checkpoint("qwen3_next", tmp_path)
     local = LocalBackend(Engine(load_model(d), Tokenizer.from_dir(d), EngineConfig(kv_slots=4096)))

@@ -415,17 +415,21 @@ def _wait_digests(url: str, replicas: set[str], since: float) -> None:
 
 
 def test_a_hot_prefix_stays_on_its_holder_until_queued_work_spills_it(server):
-    """Sent one at a time (queues empty), requests sharing a prefix all go to the replica holding its checkpoint;
-    sixteen at once, each with a long tail of its own (about 1150 tokens against the prefix's 250), queue more
-    prefill at the holder than (1 + work_weight) times what its checkpoint saves, and the router sends some to the
-    other replica (there is no request-ratio cap: the balance is the queue's)."""
+    """Sent one at a time (queues empty), requests sharing a prefix (about 1300 tokens) all go to the replica holding
+    its checkpoint; sixteen at once, each with a long tail of its own (about 1150 tokens against a prefix of 250),
+    queue more prefill at the holder than (1 + work_weight) times what its checkpoint saves, and the router sends
+    some to the other replica (there is no request-ratio cap: the balance is the queue's)."""
     c = _client(server)
-    hot = _prompt(20, 120)
-    home = c.completions.create(model="kda-tiny", prompt=hot + "\nq = 0", max_tokens=1, temperature=0)
+    # one at a time, on a prefix long enough that what its checkpoint saves outweighs how far apart the replicas'
+    # measured step costs (fits of their own noisy step times) may be
+    long = _prompt(19, 600)
+    home = c.completions.create(model="kda-tiny", prompt=long + "\nq = 0", max_tokens=1, temperature=0)
     _wait_digests(server, {home.system_fingerprint.removeprefix("dasc-")}, since=time.time())
     for i in range(4):
-        r = c.completions.create(model="kda-tiny", prompt=hot + f"\nq_{i} = {i}", max_tokens=1, temperature=0)
+        r = c.completions.create(model="kda-tiny", prompt=long + f"\nq_{i} = {i}", max_tokens=1, temperature=0)
         assert r.system_fingerprint == home.system_fingerprint, i
+    hot = _prompt(20, 120)
+    c.completions.create(model="kda-tiny", prompt=hot + "\nq = 0", max_tokens=1, temperature=0)
 
     def one(i: int) -> str:
         return c.completions.create(model="kda-tiny", prompt=hot + "\n" + _prompt(300 + i, 500), max_tokens=1,

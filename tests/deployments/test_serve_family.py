@@ -1,5 +1,5 @@
 """Integration: tool calls under `tool_choice: auto` through a real Ray Serve app, on kda-tiny behind Qwen3-Next's
-chat format (tests/models/families.py: the zoo's weights, a tokenizer with Qwen's one-token `<tool_call>`).
+chat format (loadtest/family_checkpoints.py: the zoo's weights, a tokenizer with Qwen's one-token `<tool_call>`).
 The zoo never opens a call by itself, so `logit_bias` on the opener makes it: with a strict tool the grammar
 then writes the call whole (it parses and validates); without, what the model writes after it is not a call
 and comes back as content."""
@@ -14,8 +14,8 @@ from openai import OpenAI
 from ray import serve
 
 from deployments.builder import build_app
+from loadtest.family_checkpoints import write_family_checkpoint
 from tests.deployments.test_serve import KEY, _kill_controller, _wait_for, _wait_ready, cluster  # noqa: F401
-from tests.models.families import write_family_checkpoint
 
 pytestmark = pytest.mark.slow
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],

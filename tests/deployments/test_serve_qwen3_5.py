@@ -22,10 +22,10 @@ from app.models.loader import build_model
 from app.models.shard import check_divisible
 from app.models.tokenizer import Tokenizer
 from deployments.builder import build_app
+from loadtest.family_checkpoints import write_family_tokenizer
 from loadtest.qwen3_5_configs import QWEN3_5_35B_A3B
 from loadtest.synth_model import qwen3_5_config, write
 from tests.deployments.test_serve import KEY, _kill_controller, _wait_for, _wait_ready, cluster  # noqa: F401
-from tests.models.families import write_family_tokenizer
 
 pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

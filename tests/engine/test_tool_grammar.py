@@ -17,8 +17,8 @@ from app.engine.grammar import JsonGrammars, for_tokenizer
 from app.engine.request import SamplingParams
 from app.engine.tool_grammar import ToolCallState
 from app.models.tokenizer import Tokenizer
+from loadtest.family_checkpoints import write_family_tokenizer
 from tests.helpers import load_zoo
-from tests.models.families import write_family_tokenizer
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}},
         "required": ["city"], "additionalProperties": False}

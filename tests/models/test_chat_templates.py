@@ -13,7 +13,7 @@ from app.api.recall import Recall
 from app.api.tool_calls import KIMI, QWEN, ToolOutput, format_of
 from app.models.loader import ZOO_DIR
 from app.models.tokenizer import TEMPLATES, Tokenizer
-from tests.models.families import FAMILIES, write_family_tokenizer
+from loadtest.family_checkpoints import FAMILIES, write_family_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather <|im_end|> of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

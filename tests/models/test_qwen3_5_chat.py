@@ -1,4 +1,4 @@
-"""Qwen3.5's chat format on a synthetic tokenizer directory (tests/models/families.py: the zoo's BPE vocabulary,
+"""Qwen3.5's chat format on a synthetic tokenizer directory (loadtest/family_checkpoints.py: the zoo's BPE vocabulary,
 Qwen3.5's added tokens and its vendored template, in the config or as chat_template.jinja): the rendering equals
 transformers' token for token (thinking on and off, past reasoning dropped, tools, calls, tool results), the
 history form `encode_chat_continuation` gives starts the next turn, XML calls written as the template writes them
@@ -16,7 +16,7 @@ from app.api.reasoning import Reasoning, opens_reasoning, thinks
 from app.api.recall import Recall
 from app.api.tool_calls import QWEN_XML, ToolOutput, format_of
 from app.models.tokenizer import TEMPLATES, Tokenizer
-from tests.models.families import write_family_tokenizer
+from loadtest.family_checkpoints import write_family_tokenizer
 
 UPSTREAM_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"  # Qwen3.5's chat_template.jinja
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -1,4 +1,5 @@
-"""Synthetic tokenizers of the families' chat formats: the zoo's BPE vocabulary plus the special tokens of
+"""Synthetic tokenizers of the families' chat formats (for tests, and for benchmarks of a chat format the zoo
+models were not trained with, such as Qwen3.5's thinking turns): the zoo's BPE vocabulary plus the special tokens of
 Qwen3-Next, Kimi-Linear or Qwen3.5, with the vendored template (app/models/templates/), written as a tokenizer
 directory that both our `Tokenizer` and transformers' `AutoTokenizer` load.
 
